@@ -1,0 +1,1 @@
+"""Submission to Slurm clusters: profiles and the submitit launcher."""

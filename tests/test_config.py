@@ -1,0 +1,122 @@
+"""Configuration: merge order, overrides, and every error path (one line naming the key, exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import Config, field_docs, help_text, load
+from trainer.errors import UserError
+
+from .conftest import clean_env
+
+
+def test_defaults_come_from_dataclasses_and_packaged_yaml() -> None:
+    cfg = load([])
+    assert cfg.data.name == "synthetic" and cfg.model.name == "cnn"
+    assert cfg.optim.lr == Config().optim.lr
+
+
+def test_merge_order_dataclass_then_packaged_then_user_yaml_then_cli(tmp_path: Path) -> None:
+    user = tmp_path / "user.yaml"
+    user.write_text("optim:\n  lr: 0.2\n  momentum: 0.5\ntrain:\n  epochs: 7\n")
+    cfg = load([f"config={user}", "optim.lr=0.3"])
+    assert cfg.optim.lr == 0.3  # CLI beats the user file
+    assert cfg.optim.momentum == 0.5  # the user file beats the dataclass default
+    assert cfg.train.epochs == 7  # the user file beats the packaged default.yaml
+    assert cfg.data.batch_size == Config().data.batch_size
+
+
+def test_later_user_files_win(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("optim: {lr: 0.1}\n")
+    (tmp_path / "b.yaml").write_text("optim: {lr: 0.4}\n")
+    assert load([f"config={tmp_path / 'a.yaml'}", f"config={tmp_path / 'b.yaml'}"]).optim.lr == 0.4
+
+
+def test_packaged_presets_by_name() -> None:
+    cfg = load(["config=cifar10", "data.root=/nowhere"])
+    assert (cfg.data.name, cfg.model.name) == ("cifar10", "resnet18")
+
+
+def test_override_types_are_parsed() -> None:
+    cfg = load(["optim.lr=0.05", "data.batch_size=64", "train.compile=true", "run.dir=/tmp/x y"])
+    assert (cfg.optim.lr, cfg.data.batch_size, cfg.train.compile, cfg.run.dir) == (0.05, 64, True, "/tmp/x y")
+
+
+def test_every_field_has_a_docstring() -> None:
+    from dataclasses import fields
+
+    for group in fields(Config):
+        cls = type(getattr(Config(), group.name))
+        docs = field_docs(cls)
+        assert {f.name for f in fields(cls)} == set(docs), cls.__name__
+    assert "optim.lr" in help_text() and "Peak learning rate" in help_text()
+
+
+ERRORS = [
+    (["optim.lrr=0.1"], "optim.lrr", "unknown key", "valid keys under 'optim'"),
+    (["nope.lr=0.1"], "nope.lr", "unknown key", "keys start with one of"),
+    (["optim=3"], "optim", "is a group", "set one of its keys"),
+    (["data.batch_size=abc"], "data.batch_size", "bad value 'abc'", ""),
+    (["train.compile=maybe"], "train.compile", "bad value 'maybe'", ""),
+    (["data.batch_size=0"], "data.batch_size", "must be > 0", "data.batch_size=32"),
+    (["optim.lr=-1"], "optim.lr", "must be > 0", ""),
+    (["optim.lr=nan"], "optim.lr", "must be > 0", ""),
+    (["optim.grad_clip=-1"], "optim.grad_clip", "must be >= 0", ""),
+    (["optim.name=lamb"], "optim.name", "must be one of sgd, adamw", "optim.name=sgd"),
+    (["model.name=vit"], "model.name", "must be one of", ""),
+    (["data.name=mnist"], "data.root", "is required", "nothing is downloaded"),
+    (["train.precision=fp16", "train.device=cpu"], "train.precision", "needs CUDA", ""),
+    (["checkpoint.resume=/no/such/ckpt.pt"], "checkpoint.resume", "does not exist", ""),
+    (["checkpoint.signal=SIGFOO"], "checkpoint.signal", "unknown signal", ""),
+    (["data.image_size=30"], "data.image_size", "multiple of 4", ""),
+    (["lr"], "'lr'", "key=value", ""),
+    (["config=/no/such.yaml"], "config", "does not exist", ""),
+]
+
+
+@pytest.mark.parametrize(("args", "field", "text", "hint"), ERRORS, ids=[" ".join(e[0]) for e in ERRORS])
+def test_errors_name_the_key(args: list[str], field: str, text: str, hint: str) -> None:
+    with pytest.raises(UserError) as info:
+        load(args)
+    assert info.value.field == field
+    assert text in info.value.message
+    assert hint in info.value.hint
+
+
+def test_bad_yaml_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load([f"config={bad}"])
+    bad.write_text("- a list\n")
+    with pytest.raises(UserError, match="mapping"):
+        load([f"config={bad}"])
+    bad.write_text("optim:\n  lrr: 1\n")
+    with pytest.raises(UserError) as info:
+        load([f"config={bad}"])
+    assert "optim.lrr" in info.value.field
+    bad.write_text("data:\n  batch_size: many\n")
+    with pytest.raises(UserError) as info:
+        load([f"config={bad}"])
+    assert "data.batch_size" in info.value.field
+
+
+@pytest.mark.parametrize("args", [["optim.lr=-1"], ["optim.lrr=1"], ["data.name=cifar10", "data.root=/nowhere"]])
+def test_cli_bad_input_exits_2_with_one_error_and_hint_and_writes_nothing(tmp_path: Path, args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and lines[1].startswith("HINT: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_help_lists_keys(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "checkpoint.resume" in proc.stdout

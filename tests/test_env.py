@@ -1,0 +1,123 @@
+"""Environment discovery: table-driven over torchrun, Slurm and lone processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainer.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
+from trainer.errors import UserError
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+         "SLURM_JOB_NODELIST": "gpu-[01-02]", "SLURM_JOB_ID": "123456", "SLURM_NTASKS_PER_NODE": "2",
+         "SLURM_STEP_ID": "0"}
+
+CASES = [
+    ("torchrun", TORCHRUN, DistEnv(3, 1, 4, 2, 1, 2, "node7", 29400, None, "torchrun")),
+    ("torchrun wins over slurm", {**SLURM, **TORCHRUN}, DistEnv(3, 1, 4, 2, 1, 2, "node7", 29400, "123456", "torchrun")),
+    ("slurm", SLURM, DistEnv(3, 1, 4, 2, 1, 2, "gpu-01", PORT_BASE + 123456 % PORT_SPAN, "123456", "slurm")),
+    ("slurm step nodelist wins", {**SLURM, "SLURM_STEP_NODELIST": "b[5-6]"},
+     DistEnv(3, 1, 4, 2, 1, 2, "b5", PORT_BASE + 123456 % PORT_SPAN, "123456", "slurm")),
+    ("slurm explicit master", {**SLURM, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "2222"},
+     DistEnv(3, 1, 4, 2, 1, 2, "10.0.0.1", 2222, "123456", "slurm")),
+    ("slurm uneven tasks per node", {**SLURM, "SLURM_NTASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+                                     "SLURM_NTASKS_PER_NODE": "", "SLURM_STEP_TASKS_PER_NODE": "2,1"},
+     DistEnv(2, 0, 3, 1, 1, 2, "gpu-01", PORT_BASE + 123456 % PORT_SPAN, "123456", "slurm")),
+    ("slurm compressed tasks per node", {**SLURM, "SLURM_NTASKS_PER_NODE": "", "SLURM_TASKS_PER_NODE": "2(x2)"},
+     DistEnv(3, 1, 4, 2, 1, 2, "gpu-01", PORT_BASE + 123456 % PORT_SPAN, "123456", "slurm")),
+    ("slurm batch shell is one process", {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_ID": ""},
+     DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", PORT_BASE + 123456 % PORT_SPAN, "123456", "single")),
+    ("nothing set", {}, DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")),
+]
+
+
+@pytest.mark.parametrize(("name", "environ", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_discover(name: str, environ: dict[str, str], expected: DistEnv) -> None:
+    env = {k: v for k, v in environ.items() if v != ""}
+    assert discover(env) == expected
+
+
+def test_reads_os_environ_and_never_writes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("SLURM_") or k in TORCHRUN:
+            monkeypatch.delenv(k)
+    for k, v in SLURM.items():
+        monkeypatch.setenv(k, v)
+    before = dict(os.environ)
+    assert discover().rank == 3
+    assert dict(os.environ) == before
+
+
+ERRORS = [
+    ("rank >= world size", {**TORCHRUN, "RANK": "4"}, "RANK", "outside world size 4"),
+    ("torchrun missing master", {k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR", "not set"),
+    ("torchrun missing world", {k: v for k, v in TORCHRUN.items() if k != "WORLD_SIZE"}, "WORLD_SIZE", "not set"),
+    ("torchrun non-integer", {**TORCHRUN, "LOCAL_RANK": "one"}, "LOCAL_RANK", "must be an integer"),
+    ("local rank too big", {**TORCHRUN, "LOCAL_RANK": "2"}, "LOCAL_RANK", "outside 2 local processes"),
+    ("bad port", {**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT", "must be a TCP port"),
+    ("slurm procid >= ntasks", {**SLURM, "SLURM_PROCID": "9"}, "SLURM_PROCID", "outside world size 4"),
+    ("slurm missing ntasks", {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS", "not set"),
+    ("slurm missing nodelist", {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"},
+     "SLURM_JOB_NODELIST", "not set"),
+    ("slurm bad nodelist", {**SLURM, "SLURM_JOB_NODELIST": "n[1-"}, "SLURM_JOB_NODELIST", "cannot expand"),
+    ("slurm node id too big", {**SLURM, "SLURM_NODEID": "2"}, "SLURM_NODEID", "outside 2 nodes"),
+    ("slurm bad tasks per node", {**SLURM, "SLURM_NTASKS_PER_NODE": "two"}, "SLURM_NTASKS_PER_NODE", "cannot parse"),
+]
+
+
+@pytest.mark.parametrize(("name", "environ", "field", "text"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors_name_the_variable(name: str, environ: dict[str, str], field: str, text: str) -> None:
+    with pytest.raises(UserError) as info:
+        discover(environ)
+    assert info.value.field == field
+    assert text in info.value.message
+    assert info.value.render().splitlines()[1].startswith("HINT: ")
+
+
+NODELISTS = {
+    "n[1-2]": ["n1", "n2"],
+    "gpu-[01-03,10],cpu7": ["gpu-01", "gpu-02", "gpu-03", "gpu-10", "cpu7"],
+    "node[001-003]": ["node001", "node002", "node003"],
+    "a1b[2-3]": ["a1b2", "a1b3"],
+    "x-[1,5-7]": ["x-1", "x-5", "x-6", "x-7"],
+    "rack1-n[08-11]": ["rack1-n08", "rack1-n09", "rack1-n10", "rack1-n11"],
+    "single": ["single"],
+}
+
+
+@pytest.mark.parametrize("nodelist", list(NODELISTS))
+def test_nodelist_expansion(nodelist: str) -> None:
+    assert expand_nodelist(nodelist) == NODELISTS[nodelist]
+
+
+@pytest.mark.parametrize("nodelist", list(NODELISTS))
+def test_nodelist_agrees_with_scontrol(nodelist: str, tmp_path: Path) -> None:
+    if shutil.which("scontrol") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("scontrol is missing under CI: .ci/run installs slurm-client")
+        pytest.skip("scontrol not installed (apt-get install slurm-client)")
+    conf = tmp_path / "slurm.conf"  # scontrol needs some config, even just to expand names
+    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True,
+                         env={**os.environ, "SLURM_CONF": str(conf)}).stdout.split()
+    assert expand_nodelist(nodelist) == out
+    assert discover({**SLURM, "SLURM_JOB_NODELIST": nodelist, "SLURM_NODEID": "0"}).master_addr == out[0]
+
+
+def test_port_is_derived_in_a_safe_range_and_differs_between_jobs() -> None:
+    ports = {port_from_job_id(str(j)) for j in range(1000, 1100)}
+    assert len(ports) == 100
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN < 32768 for p in ports)
+    assert port_from_job_id("4242_7") == port_from_job_id("42427")  # array ids still give a number
+    assert port_from_job_id(None) == 29500
+
+
+@pytest.mark.parametrize(("spec", "node", "expected"), [("4", 0, 4), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("3,1", 1, 1)])
+def test_tasks_per_node(spec: str, node: int, expected: int) -> None:
+    assert tasks_per_node(spec, node, "SLURM_TASKS_PER_NODE") == expected

@@ -1,0 +1,38 @@
+"""Entrypoint: parse → setup → fit → teardown. ``python -m trainer [config=FILE] [key=value ...]``."""
+
+from __future__ import annotations
+
+import sys
+
+from trainer import config as config_mod
+from trainer.env import discover
+from trainer.errors import EXIT_BAD_INPUT, UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one training process; return its exit code (0 done, 2 bad input, 75 saved for requeue)."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in args):
+        print(config_mod.help_text())
+        return 0
+    try:
+        # Config and environment are checked before torch is even imported: bad input fails fast.
+        cfg = config_mod.load(args)
+        env = discover()
+        from trainer import dist
+        from trainer.train import fit
+
+        device = dist.pick_device(env, cfg.train.device)
+        try:
+            dist.setup(env, cfg, device)
+            result = fit(cfg, env, device)
+        finally:
+            dist.teardown()
+    except UserError as err:
+        print(err.render(), file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return int(result["exit_code"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

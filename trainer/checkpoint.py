@@ -1,0 +1,226 @@
+"""Checkpoints that only count once committed: rank 0 writes, every rank waits.
+
+Commit protocol for ``step_<N>``: temp file → flush + fsync → ``os.replace`` → fsync folder →
+manifest ``step_<N>.json`` (size, CRC-32, step, epoch) written the same way → ``latest`` pointer.
+A ``.pt`` file without its manifest is an unfinished save and is never loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+PREFIX = "step_"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Progress:
+    """Where training stands: the position a resumed run continues from."""
+
+    epoch: int = 0
+    """Current epoch (0-based)."""
+    batches_in_epoch: int = 0
+    """Micro-batches of this epoch each rank has consumed."""
+    global_step: int = 0
+    """Optimizer steps taken so far."""
+    micro_step: int = 0
+    """Micro-step inside the accumulation window (saves happen at window ends, so 0 unless a format change)."""
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators, in a form ``torch.load(weights_only=True)`` accepts."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),  # type: ignore[index]
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, delay_s: float = 0.0) -> None:
+    """Write ``data`` so that ``path`` holds either its old content or all of the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        if delay_s:  # test hook: a kill here must leave the previous checkpoint intact
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(delay_s)
+            f.write(data[len(data) // 2:])
+        else:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor on the host: what a background writer may safely read later."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class Checkpointer:
+    """Saves and finds checkpoints in ``<run>/checkpoints``; only the main rank touches the folder."""
+
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0) -> None:
+        self.folder = folder
+        self.is_main = is_main
+        self.keep = keep
+        self.save_delay_s = save_delay_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+
+    # ---- saving -------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], step: int, blocking: bool = True) -> Path:
+        """Collective: every rank calls it. Rank 0 writes and commits; the others wait at a barrier.
+
+        With ``blocking=False`` rank 0 only copies the state to host memory before the barrier and
+        writes it in a background thread (one at a time).
+        """
+        state = dict(state, rng=_gather(rng_state()))
+        path = self.folder / f"{PREFIX}{step:08d}.pt"
+        if self.is_main:
+            self.wait()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if blocking:
+                self._commit(state, path)
+            else:
+                staged = _to_cpu(state)
+                self._thread = threading.Thread(target=self._commit_bg, args=(staged, path), daemon=False)
+                self._thread.start()
+        dist.barrier()
+        self.last_path = path
+        return path
+
+    def wait(self) -> None:
+        """Block until a background save has committed; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background checkpoint save failed: {err}") from err
+
+    def _commit_bg(self, state: dict[str, Any], path: Path) -> None:
+        try:
+            self._commit(state, path)
+        except BaseException as exc:  # surfaced by wait()
+            self._error = exc
+
+    def _commit(self, state: dict[str, Any], path: Path) -> None:
+        for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
+            stale.unlink(missing_ok=True)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getbuffer().tobytes()
+        write_atomic(path, data, self.save_delay_s)
+        manifest = {
+            "file": path.name,
+            "size": len(data),
+            "crc32": zlib.crc32(data),
+            "global_step": state["progress"]["global_step"],
+            "epoch": state["progress"]["epoch"],
+            "batches_in_epoch": state["progress"]["batches_in_epoch"],
+            "time": time.time(),
+            "version": FORMAT_VERSION,
+        }
+        write_atomic(path.with_suffix(".json"), json.dumps(manifest, indent=1).encode())
+        write_atomic(self.folder / "latest", path.name.encode())
+        self._prune()
+
+    def _prune(self) -> None:
+        for manifest in committed(self.folder)[self.keep:]:
+            manifest.unlink(missing_ok=True)  # the marker goes first: a half-pruned checkpoint never counts
+            manifest.with_suffix(".pt").unlink(missing_ok=True)
+        marked = {m.with_suffix(".pt") for m in committed(self.folder)}
+        for orphan in self.folder.glob(f"{PREFIX}*.pt"):
+            if orphan not in marked and marked and orphan.stat().st_mtime < min(p.stat().st_mtime for p in marked):
+                orphan.unlink(missing_ok=True)
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's object, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def committed(folder: Path) -> list[Path]:
+    """Manifests of committed checkpoints, newest first."""
+    return sorted(folder.glob(f"{PREFIX}*.json"), key=lambda p: p.name, reverse=True)
+
+
+def verify(manifest: Path) -> bytes:
+    """The checkpoint's bytes if they match its manifest; raise ValueError otherwise."""
+    meta = json.loads(manifest.read_text())
+    data = (manifest.parent / meta["file"]).read_bytes()
+    if len(data) != meta["size"]:
+        raise ValueError(f"size {len(data)} != {meta['size']} recorded (truncated)")
+    if zlib.crc32(data) != meta["crc32"]:
+        raise ValueError("checksum mismatch (corrupted)")
+    return data
+
+
+def find_resumable(target: Path) -> tuple[Path, dict[str, Any]] | None:
+    """Newest complete checkpoint under a run folder or checkpoint folder, or the given file."""
+    if target.is_file():
+        manifest = target.with_suffix(".json")
+        candidates = [manifest] if manifest.exists() else []
+        if not candidates:
+            return target, torch.load(target, map_location="cpu", weights_only=True)
+    else:
+        folder = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+        candidates = committed(folder)
+    for manifest in candidates:
+        try:
+            data = verify(manifest)
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            bad = manifest.with_suffix(".pt")
+            warnings.warn(f"skipping checkpoint {bad}: {exc}; trying an older one", stacklevel=2)
+            continue
+        return manifest.with_suffix(".pt"), state
+    return None

@@ -1,0 +1,309 @@
+"""Typed configuration: dataclass defaults ← packaged YAML ← user YAML ← ``key=value`` overrides.
+
+Every field carries a docstring; ``python -m trainer --help`` prints them. Any bad key, type or
+value becomes a :class:`UserError` naming the key, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import signal
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    """Data set: synthetic (built in, no download), mnist, cifar10 or imagefolder."""
+    root: str | None = None
+    """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
+    batch_size: int = 32
+    """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    synthetic_train_size: int = 8192
+    """Training samples of the synthetic data set."""
+    synthetic_test_size: int = 2048
+    """Test samples of the synthetic data set."""
+    synthetic_noise: float = 6.0
+    """Noise level of the synthetic data set: higher is harder."""
+    image_size: int = 28
+    """Side of the square images fed to the model (synthetic and imagefolder)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """Model: cnn (the small conv net, 1→10→10 conv, fc to classes) or resnet18 (torchvision)."""
+    num_classes: int = 10
+    """Number of output classes (imagefolder: must match the number of class folders)."""
+    small_input_stem: bool = True
+    """resnet18 only: 3×3 stride-1 first conv and no max-pool, for 28–32 px images."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    """Optimizer: sgd (with momentum) or adamw."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warm-up: cosine (to zero) or constant."""
+    warmup_steps: int = 20
+    """Optimizer steps of linear warm-up."""
+    grad_accum: int = 1
+    """Micro-steps accumulated per optimizer step (gradients are all-reduced only on the last)."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    """Passes over the training data."""
+    seed: int = 0
+    """Seed for data, initial weights and shuffling; equal seeds give equal runs."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + GradScaler, CUDA only)."""
+    compile: bool = False
+    """Wrap the model in torch.compile (meant for CUDA)."""
+    log_every: int = 50
+    """Optimizer steps between log lines when there is no terminal for a progress bar."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower on GPUs; CPU runs are deterministic anyway)."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cpu or cuda."""
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    """Process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo."""
+    timeout_s: float = 300.0
+    """Seconds a collective (or the rendezvous) may wait for a peer before the job fails."""
+
+
+@dataclass
+class CheckpointConfig:
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run folder, if any), never, or a checkpoint path."""
+    every_steps: int = 0
+    """Save every N optimizer steps; 0 turns step-based saves off."""
+    every_minutes: float = 0.0
+    """Save when this many minutes have passed since the last save; 0 turns it off."""
+    keep: int = 3
+    """Complete checkpoints kept in the run folder (older ones are deleted)."""
+    async_save: bool = False
+    """Write periodic checkpoints in a background thread after a copy to host memory."""
+    signal: str = "SIGUSR2"
+    """Signal that asks for save-and-requeue (SIGTERM always does too)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str | None = None
+    """Run folder (config, checkpoints, results). Default: runs/<Slurm job id>, else runs/<time stamp>."""
+    name: str | None = None
+    """Human-readable run name (tracking); default: the run folder's name."""
+
+
+@dataclass
+class DebugConfig:
+    preempt_at_step: int = -1
+    """Testing: behave as if the preemption signal arrived during this micro-step (-1: never)."""
+    save_delay_s: float = 0.0
+    """Testing: sleep this long in the middle of writing a checkpoint file."""
+    step_delay_s: float = 0.0
+    """Testing: sleep this long after every optimizer step (slows a run so signals land mid-training)."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input data."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Network."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Process group."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and preemption."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run folder."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Hooks for tests; leave alone."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.name": ("synthetic", "mnist", "cifar10", "imagefolder"),
+    "model.name": ("cnn", "resnet18"),
+    "optim.name": ("sgd", "adamw"),
+    "optim.schedule": ("cosine", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+}
+
+POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test_size", "data.image_size",
+            "model.num_classes", "optim.lr", "optim.grad_accum", "train.epochs", "train.log_every",
+            "dist.timeout_s", "checkpoint.keep")
+NON_NEGATIVE = ("data.num_workers", "data.synthetic_noise", "optim.momentum", "optim.weight_decay",
+                "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
+                "debug.save_delay_s", "debug.step_delay_s")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = nxt.value.value
+    return docs
+
+
+def help_text() -> str:
+    """Every key with its default and docstring, for ``--help``."""
+    lines = ["usage: python -m trainer [config=FILE.yaml] [key=value ...]", ""]
+    default = Config()
+    for group in fields(Config):
+        sub = getattr(default, group.name)
+        lines.append(f"{group.name}:")
+        docs = field_docs(type(sub))
+        for f in fields(sub):
+            key = f"{group.name}.{f.name}"
+            lines.append(f"  {key}={getattr(sub, f.name)!s:<12} {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _err(key: str, message: str, hint: str | None = None) -> UserError:
+    return UserError(key, message, hint or "see `python -m trainer --help` for every key and its meaning")
+
+
+def _yaml(path: Path, key: str) -> DictConfig:
+    if not path.is_file():
+        raise _err(key, f"file {str(path)!r} does not exist", "pass an existing YAML file, e.g. config=my.yaml")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:  # yaml's parser errors are many classes
+        first = str(exc).splitlines()[0]
+        raise _err(key, f"{str(path)!r} is not valid YAML ({first})", "fix the YAML syntax") from None
+    if not isinstance(loaded, DictConfig):
+        raise _err(key, f"{str(path)!r} must hold a mapping of keys", "write it as `group: {key: value}`")
+    return loaded
+
+
+def _config_path(value: str) -> Path:
+    """``config=cifar10`` names a packaged preset; anything else is a file path."""
+    packaged = Path(str(resources.files("trainer") / "configs" / f"{value}.yaml"))
+    return packaged if "/" not in value and not value.endswith(".yaml") and packaged.is_file() else Path(value)
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    msg = str(exc).splitlines()[0]
+    return msg.replace("Key ", "key ").rstrip(".")
+
+
+def load(args: list[str]) -> Config:
+    """Build the config from ``config=FILE`` and ``key=value`` arguments; raise UserError on bad input."""
+    files: list[str] = []
+    overrides: list[str] = []
+    for arg in args:
+        if "=" not in arg or arg.startswith("="):
+            raise _err(repr(arg), "arguments must look like key=value", "e.g. `optim.lr=0.05 data.batch_size=64`")
+        (files if arg.split("=", 1)[0] == "config" else overrides).append(arg)
+    cfg = OmegaConf.structured(Config)
+    layers: list[tuple[str, DictConfig]] = []
+    with resources.as_file(resources.files("trainer") / "configs" / "default.yaml") as packaged:
+        layers.append(("configs/default.yaml", _yaml(packaged, "config")))
+    layers += [(f, _yaml(_config_path(f.split("=", 1)[1]), "config")) for f in files]
+    for name, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as exc:
+            key = exc.full_key if getattr(exc, "full_key", None) else name
+            raise _err(str(key), f"in {name}: {_describe(exc)}") from None
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            group = key.split(".")[0]
+            valid = [f.name for f in fields(Config)]
+            hint = (f"valid keys under {group!r}: {', '.join(sorted(cfg[group].keys()))}" if group in valid
+                    else f"keys start with one of: {', '.join(valid)}")
+            raise _err(key, "unknown key", hint)
+        if isinstance(OmegaConf.select(cfg, key), DictConfig):
+            raise _err(key, "is a group, not a value", "set one of its keys, e.g. optim.lr=0.1")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise _err(key, f"bad value {value!r}: {_describe(exc)}") from None
+    conf: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(conf)
+    return conf
+
+
+_MISSING = object()
+
+
+def _get(cfg: Config, key: str) -> Any:
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def validate(cfg: Config) -> None:
+    """Reject values no run can use, naming the key."""
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise _err(key, f"must be one of {', '.join(choices)}; got {_get(cfg, key)!r}", f"e.g. {key}={choices[0]}")
+    for key in POSITIVE:
+        v = _get(cfg, key)
+        if not (v > 0 and math.isfinite(v)):
+            raise _err(key, f"must be > 0, got {v}", f"pass a positive number, e.g. {key}={_get(Config(), key)}")
+    for key in NON_NEGATIVE:
+        v = _get(cfg, key)
+        if not (v >= 0 and math.isfinite(v)):
+            raise _err(key, f"must be >= 0, got {v}", f"pass zero or a positive number, e.g. {key}=0")
+    if cfg.data.name != "synthetic" and not cfg.data.root:
+        raise _err("data.root", f"is required for data.name={cfg.data.name}",
+                   "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
+    if cfg.data.name == "synthetic" and cfg.data.image_size % 4:
+        raise _err("data.image_size", f"must be a multiple of 4 for the cnn, got {cfg.data.image_size}",
+                   "e.g. data.image_size=28")
+    if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
+        raise _err("train.precision", "fp16 needs CUDA (GradScaler)", "use train.precision=bf16 or fp32 on the CPU")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
+        raise _err("checkpoint.resume", f"{cfg.checkpoint.resume!r} does not exist",
+                   "pass auto, never, or the path of a checkpoint file or run folder")
+    if not cfg.checkpoint.signal.startswith("SIG") or not hasattr(signal, cfg.checkpoint.signal):
+        raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, saved beside each run."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from its saved form (e.g. inside a checkpoint)."""
+    conf: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore[assignment]
+    return conf
+

@@ -1,0 +1,157 @@
+"""Data sets and distributed loaders: synthetic by default, MNIST/CIFAR-10/ImageFolder from a local path."""
+
+from __future__ import annotations
+
+import functools
+import math
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from trainer.config import Config
+from trainer.env import DistEnv
+from trainer.errors import UserError
+
+
+@dataclass
+class Data:
+    """Train/test sets plus the image shape the model must accept."""
+
+    train: Dataset[Any]
+    test: Dataset[Any]
+    in_channels: int
+    image_size: int
+
+
+def synthetic(cfg: Config) -> Data:
+    """Learnable, download-free images: a smooth template per class plus Gaussian noise, fixed by the seed."""
+    d, size = cfg.data, cfg.data.image_size
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    # Smooth templates (upsampled 7×7 noise) give the convolutions spatial structure to find.
+    templates = F.interpolate(torch.randn(cfg.model.num_classes, 1, 7, 7, generator=gen), size=(size, size),
+                              mode="bilinear", align_corners=False)
+
+    def make(n: int) -> TensorDataset:
+        labels = torch.randint(0, cfg.model.num_classes, (n,), generator=gen)
+        images = templates[labels] + d.synthetic_noise * torch.randn(n, 1, size, size, generator=gen)
+        # Unit variance inputs whatever the noise level, so one learning rate suits every setting.
+        images /= (templates.var() + d.synthetic_noise**2).sqrt()
+        return TensorDataset(images, labels)
+
+    return Data(make(d.synthetic_train_size), make(d.synthetic_test_size), 1, size)
+
+
+def _missing(root: Path, what: str, expected: str, fetch: str) -> UserError:
+    return UserError("data.root", f"no {what} under {str(root)!r} (expected {expected})",
+                     f"download it where there is internet ({fetch}) and copy it there; "
+                     "nothing is downloaded at run time")
+
+
+def torchvision_data(cfg: Config) -> Data:
+    """MNIST, CIFAR-10 or an ImageFolder tree read from ``data.root`` (never downloaded)."""
+    import torchvision.datasets as tvd
+    import torchvision.transforms as T
+
+    root = Path(cfg.data.root or "")
+    name = cfg.data.name
+    if name == "mnist":
+        if not (root / "MNIST" / "raw").is_dir():
+            raise _missing(root, "MNIST", f"{root}/MNIST/raw/train-images-idx3-ubyte …",
+                           f"python -c \"import torchvision; torchvision.datasets.MNIST('{root}', download=True)\"")
+        tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])
+        return Data(tvd.MNIST(str(root), True, tf), tvd.MNIST(str(root), False, tf), 1, 28)
+    if name == "cifar10":
+        if not (root / "cifar-10-batches-py").is_dir():
+            raise _missing(root, "CIFAR-10", f"{root}/cifar-10-batches-py/data_batch_1 …",
+                           f"python -c \"import torchvision; torchvision.datasets.CIFAR10('{root}', download=True)\"")
+        norm = T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+        test_tf = T.Compose([T.ToTensor(), norm])
+        return Data(tvd.CIFAR10(str(root), True, train_tf), tvd.CIFAR10(str(root), False, test_tf), 3, 32)
+    size = cfg.data.image_size
+    if not (root / "train").is_dir() or not (root / "val").is_dir():
+        raise _missing(root, "ImageFolder tree", f"{root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg",
+                       "any tool that lays images out one folder per class")
+    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    test_tf = T.Compose([T.Resize(math.ceil(size * 8 / 7)), T.CenterCrop(size), T.ToTensor(), norm])
+    train, test = tvd.ImageFolder(str(root / "train"), train_tf), tvd.ImageFolder(str(root / "val"), test_tf)
+    if len(train.classes) != cfg.model.num_classes:
+        found = len(train.classes)
+        raise UserError("model.num_classes", f"is {cfg.model.num_classes} but {root}/train has {found} class folders",
+                        f"pass model.num_classes={found}")
+    return Data(train, test, 3, size)
+
+
+def build_data(cfg: Config) -> Data:
+    """The configured data set."""
+    return synthetic(cfg) if cfg.data.name == "synthetic" else torchvision_data(cfg)
+
+
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """DistributedSampler that can start an epoch part-way through, skipping samples already trained on.
+
+    The permutation depends only on (seed, epoch), not on the number of processes, so a resumed run
+    sees exactly the batches the uninterrupted run would have seen.
+    """
+
+    def __init__(self, dataset: Dataset[Any], env: DistEnv, seed: int) -> None:
+        super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def start_epoch(self, epoch: int, skip_samples: int = 0) -> None:
+        """Call before each epoch: reshuffles for ``epoch`` and skips this rank's first ``skip_samples``."""
+        self.set_epoch(epoch)
+        self.skip = skip_samples
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class ShardSampler(Sampler[int]):
+    """Every rank takes ``rank::world_size``: disjoint shards that cover the set exactly once, no padding,
+    so all-reduced evaluation sums count each sample once (DistributedSampler pads with repeats)."""
+
+    def __init__(self, n: int, env: DistEnv) -> None:
+        self.indices = range(env.rank, n, env.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _worker_init(signals: tuple[int, ...], worker_id: int) -> None:
+    # Slurm signals every process of a step: workers must survive until the trainer has saved.
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device,
+            ignore_signals: tuple[int, ...]) -> tuple[DataLoader, ResumableSampler, DataLoader]:  # type: ignore[type-arg]
+    """Train loader (with its sampler, for ``start_epoch``) and evaluation loader."""
+    workers = cfg.data.num_workers
+    common = dict(
+        batch_size=cfg.data.batch_size,
+        shuffle=False,  # the sampler shuffles
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+        worker_init_fn=functools.partial(_worker_init, ignore_signals) if workers > 0 else None,
+        # Its own generator keeps the loader from drawing on the global RNG the model uses.
+        generator=torch.Generator().manual_seed(cfg.train.seed + env.rank),
+    )
+    sampler = ResumableSampler(data.train, env, cfg.train.seed)
+    train = DataLoader(data.train, sampler=sampler, **common)  # type: ignore[arg-type]
+    test = DataLoader(data.test, sampler=ShardSampler(len(data.test), env), **common)  # type: ignore[arg-type]
+    return train, sampler, test

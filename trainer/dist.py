@@ -1,0 +1,66 @@
+"""Process group: nccl on CUDA, gloo on CPU; bounded timeouts; one device per process."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import Config
+from trainer.env import DistEnv
+from trainer.errors import UserError
+
+
+def pick_device(env: DistEnv, want: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` (or the one GPU this task sees) when CUDA is there and wanted, else the CPU."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UserError("train.device", "cuda was asked for but no GPU is visible", "use train.device=cpu or auto")
+    if env.local_rank < count:
+        return torch.device("cuda", env.local_rank)
+    if count == 1:  # Slurm's --gpus-per-task / gpu binding shows each task only its own GPU
+        return torch.device("cuda", 0)
+    raise UserError("LOCAL_RANK", f"local rank {env.local_rank} has no GPU: {count} visible",
+                    "start at most one process per GPU on each node (ntasks-per-node = gpus-per-node)")
+
+
+def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
+    """Join the process group of all ranks; a lone process gets an in-memory group (no port needed)."""
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("dist.backend", "nccl needs CUDA devices", "use dist.backend=gloo (or auto) on the CPU")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    try:
+        socket.getaddrinfo(env.master_addr, env.master_port)
+    except OSError:
+        # Without this check the rendezvous retries an unknown host for many minutes.
+        raise UserError(
+            "MASTER_ADDR",
+            f"host {env.master_addr!r} does not resolve on {socket.gethostname()}",
+            "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP",
+        ) from None
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
+
+
+def teardown() -> None:
+    """Leave the process group (safe to call when none was made)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,184 @@
+"""Where this process sits in the job: the only module that reads rank variables.
+
+torchrun's variables win over Slurm's, Slurm's over a lone process. Nothing here writes
+``os.environ``: the result is a frozen :class:`DistEnv` that the rest of the trainer passes around.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import hostlist
+
+from trainer.errors import UserError
+
+Source = Literal["torchrun", "slurm", "single"]
+
+PORT_BASE = 15000
+"""Derived ports lie in [15000, 30000): below Linux's ephemeral range (32768+) so a port picked
+from the job id does not collide with outgoing connections, and distinct for concurrent jobs."""
+PORT_SPAN = 15000
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """One process's place in a (possibly multi-node) job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    job_id: str | None
+    source: Source
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the only rank with side effects (files, logs, tracking)."""
+        return self.rank == 0
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist such as ``gpu-[01-03,10],cpu7`` (same order as ``scontrol show hostnames``)."""
+    try:
+        hosts: list[str] = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as exc:
+        raise UserError(
+            "SLURM_JOB_NODELIST",
+            f"cannot expand node list {nodelist!r} ({exc})",
+            "this variable is set by Slurm; run inside an allocation (srun/sbatch) or unset the SLURM_* variables",
+        ) from None
+    if not hosts:
+        raise UserError("SLURM_JOB_NODELIST", "node list is empty", "run inside a Slurm allocation")
+    return hosts
+
+
+def port_from_job_id(job_id: str | None, default: int = 29500) -> int:
+    """A rendezvous port derived from the job id, so two jobs sharing a node do not collide."""
+    if job_id is None:
+        return default
+    digits = re.sub(r"\D", "", job_id)
+    return PORT_BASE + int(digits) % PORT_SPAN if digits else default
+
+
+def tasks_per_node(spec: str, node_index: int, field: str) -> int:
+    """Tasks on node ``node_index`` from Slurm's compressed form, e.g. ``2(x3),1``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise UserError(field, f"cannot parse {spec!r}", "expected Slurm's form, e.g. '4' or '2(x3),1'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if node_index >= len(counts):
+        return counts[-1]
+    return counts[node_index]
+
+
+def _int(env: Mapping[str, str], name: str, hint: str) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        raise UserError(name, "is not set", hint)
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(name, f"must be an integer, got {raw!r}", hint) from None
+
+
+def _check(env: DistEnv, names: dict[str, str], hint: str) -> DistEnv:
+    """Reject values that cannot describe one process of a real job."""
+    if env.world_size < 1:
+        raise UserError(names["world_size"], f"must be >= 1, got {env.world_size}", hint)
+    if not 0 <= env.rank < env.world_size:
+        raise UserError(names["rank"], f"rank {env.rank} is outside world size {env.world_size}", hint)
+    if env.local_world_size < 1 or not 0 <= env.local_rank < env.local_world_size:
+        raise UserError(
+            names["local_rank"],
+            f"local rank {env.local_rank} is outside {env.local_world_size} local processes",
+            hint,
+        )
+    if not 0 <= env.node_rank < env.num_nodes:
+        raise UserError(names["node_rank"], f"node rank {env.node_rank} is outside {env.num_nodes} nodes", hint)
+    if not 1 <= env.master_port <= 65535:
+        raise UserError("MASTER_PORT", f"must be a TCP port, got {env.master_port}",
+                        "unset it to derive one from the job id")
+    return env
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
+    hint = "launch with torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together"
+    world_size = _int(env, "WORLD_SIZE", hint)
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE") or world_size)
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        raise UserError("MASTER_ADDR", "is not set although RANK is", hint)
+    result = DistEnv(
+        rank=_int(env, "RANK", hint),
+        local_rank=_int(env, "LOCAL_RANK", hint),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=int(env.get("GROUP_RANK") or env.get("NODE_RANK") or 0),
+        num_nodes=max(1, world_size // max(1, local_world_size)),
+        master_addr=addr,
+        master_port=_int(env, "MASTER_PORT", hint),
+        job_id=env.get("SLURM_JOB_ID"),
+        source="torchrun",
+    )
+    names = {"world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK", "node_rank": "GROUP_RANK"}
+    return _check(result, names, hint)
+
+
+def _from_slurm(env: Mapping[str, str]) -> DistEnv:
+    hint = "start one task per process with srun (sbatch alone runs a single batch shell)"
+    world_size = _int(env, "SLURM_NTASKS", hint)
+    node_rank = _int(env, "SLURM_NODEID", hint)
+    # Step variables describe the srun step we are in; job variables the whole allocation.
+    nodelist_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodelist = env.get(nodelist_var)
+    if not nodelist:
+        raise UserError("SLURM_JOB_NODELIST", "is not set although SLURM_PROCID is", hint)
+    hosts = expand_nodelist(nodelist)
+    num_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
+    per_node_var = next(
+        (v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)),
+        None,
+    )
+    local_world_size = (
+        tasks_per_node(env[per_node_var], node_rank, per_node_var) if per_node_var else max(1, world_size // num_nodes)
+    )
+    job_id = env.get("SLURM_JOB_ID")
+    port_raw = env.get("MASTER_PORT")
+    result = DistEnv(
+        rank=_int(env, "SLURM_PROCID", hint),
+        local_rank=_int(env, "SLURM_LOCALID", hint),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=env.get("MASTER_ADDR") or hosts[0],
+        master_port=_int(env, "MASTER_PORT", hint) if port_raw else port_from_job_id(job_id),
+        job_id=job_id,
+        source="slurm",
+    )
+    names = {"world_size": "SLURM_NTASKS", "rank": "SLURM_PROCID",
+             "local_rank": "SLURM_LOCALID", "node_rank": "SLURM_NODEID"}
+    return _check(result, names, hint)
+
+
+def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the process's place from torchrun's variables, else Slurm's, else a single process."""
+    env = os.environ if environ is None else environ
+    if env.get("RANK") is not None or env.get("TORCHELASTIC_RUN_ID") is not None:
+        return _from_torchrun(env)
+    # The batch shell of an sbatch job has SLURM_PROCID=0 too; only a step (srun) has SLURM_STEP_ID.
+    # A batch shell is then treated as one process of its own, not as rank 0 of SLURM_NTASKS.
+    if env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_ID") not in (None, "batch", "extern"):
+        return _from_slurm(env)
+    job_id = env.get("SLURM_JOB_ID")
+    return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port_from_job_id(job_id), job_id, "single")
