@@ -73,7 +73,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, delay_s: float = 0.0) -> None:
+def write_atomic(path: Path, data: bytes | memoryview, delay_s: float = 0.0) -> None:
     """Write ``data`` so that ``path`` holds either its old content or all of the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -155,7 +155,7 @@ class Checkpointer:
             stale.unlink(missing_ok=True)
         buf = io.BytesIO()
         torch.save(state, buf)
-        data = buf.getbuffer().tobytes()
+        data = buf.getbuffer()  # a view, not a copy: checkpoints can be large
         write_atomic(path, data, self.save_delay_s)
         manifest = {
             "file": path.name,

@@ -131,9 +131,11 @@ def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
 
     data = build_data(cfg)  # before the run folder exists: a missing data set must leave nothing behind
     run_dir = choose_run_dir(cfg, env)
+    requeue_marker = run_dir / "requeue.json"
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_atomic(run_dir / "config.yaml", to_yaml(cfg).encode())
+        requeue_marker.unlink(missing_ok=True)
     checkpointer = ckpt.Checkpointer(run_dir / "checkpoints", env.is_main, cfg.checkpoint.keep, cfg.debug.save_delay_s)
     train_loader, sampler, test_loader = loaders(data, cfg, env, device, signals)
     model = build_model(cfg.model, data.in_channels, data.image_size).to(device)
@@ -229,6 +231,9 @@ def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
             if signum:
                 path = checkpointer.save(state(), progress.global_step)
                 saved = progress.global_step, path
+                if env.is_main:  # for launchers that cannot see our exit code (torchrun's agent turns 75 into 1)
+                    marker = {"signal": signal.Signals(signum).name, "checkpoint": str(path), "step": progress.global_step}
+                    ckpt.write_atomic(requeue_marker, json.dumps(marker).encode())
                 say(env, f"\n{signal.Signals(signum).name} received: saved {path} at step {progress.global_step}; "
                          f"exiting with {EXIT_REQUEUE} so the launcher requeues")
                 outcome = "preempted"
@@ -297,6 +302,11 @@ def resume(cfg: Config, env: DistEnv, run_dir: Path, model: nn.Module, optimizer
     scaler.load_state_dict(state["scaler"])
     for k, v in state["progress"].items():
         setattr(progress, k, v)
+    saved_cfg = state["config"]
+    for group, key in (("data", "name"), ("data", "batch_size"), ("optim", "grad_accum"), ("train", "seed")):
+        if saved_cfg[group][key] != getattr(getattr(cfg, group), key):
+            say(env, f"note: {group}.{key} was {saved_cfg[group][key]!r} in the checkpoint, now "
+                     f"{getattr(getattr(cfg, group), key)!r}: training continues, but not as the original run would")
     if state["world_size"] == env.world_size:
         ckpt.set_rng_state(state["rng"][env.rank])
     else:

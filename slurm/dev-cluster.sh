@@ -1,0 +1,551 @@
+#!/usr/bin/env bash
+# A real two-node Slurm cluster (with accounting) on ONE machine, for trying multi-node jobs on a
+# laptop and for CI. Needs root on Debian/Ubuntu; installs slurm-wlm, munge, slurmdbd and
+# mariadb-server with apt when they are missing. No systemd; nothing written to /etc (but see the
+# /etc/hosts fallback below).
+#
+#   slurm/dev-cluster.sh up       start munged, mariadbd, slurmdbd, slurmctld and slurmd n1 + n2
+#   slurm/dev-cluster.sh env      print the export lines:  eval "$(slurm/dev-cluster.sh env)"
+#   slurm/dev-cluster.sh status   sinfo, or "down" (exit 1)
+#   slurm/dev-cluster.sh down     stop every daemon it started (by pid) and remove the state folder
+#
+# Everything (configs, spool, logs, pid files, munge key and socket, mariadb datadir) lives in
+# DEV_CLUSTER_DIR (default ${TMPDIR:-/tmp}/slurm-ddp-dev-cluster). Several clusters can run side by
+# side with different DEV_CLUSTER_DIRs: each picks its own free ports and its own munge socket.
+# Other settings: DEV_CLUSTER_CPUS (CPUs per node, default: this machine's), DEV_CLUSTER_PORT_BASE
+# (where the search for free ports starts, default 30817), DEV_CLUSTER_HOSTS=etc-hosts (use the
+# /etc/hosts fallback below even where mount namespaces work).
+#
+# Node names: jobs must resolve n1 and n2 (our trainer uses the first host of the node list as
+# MASTER_ADDR). The daemons therefore run in a private mount namespace in which a hosts file from
+# the state folder (the machine's /etc/hosts plus "127.0.0.1 n1 n2") is bind-mounted over
+# /etc/hosts; every job process, a child of slurmd, inherits that view, while the machine's
+# /etc/hosts stays untouched. Where mount namespaces are not allowed (an unprivileged container),
+# the script falls back to appending one marked line to /etc/hosts and removes it on `down`.
+set -euo pipefail
+# Daemons live in sbin, which some shells (sudo, containers) leave out of PATH.
+PATH="$PATH:/usr/sbin:/sbin"
+
+STATE="${DEV_CLUSTER_DIR:-${TMPDIR:-/tmp}/slurm-ddp-dev-cluster}"
+CLUSTER=ddpdev                  # ClusterName in slurm.conf and slurmdbd
+NODES=(n1 n2)
+PORT_BASE="${DEV_CLUSTER_PORT_BASE:-30817}"
+MARKER=".slurm-ddp-dev-cluster"  # a folder holding this file is ours to delete
+HOSTS_TAG="# slurm-ddp-dev-cluster ${STATE}"
+
+# Paths inside the state folder. Unix socket paths must stay short (108 bytes).
+CONF="$STATE/slurm.conf"
+DBD_CONF="$STATE/slurmdbd.conf"
+PORTS_FILE="$STATE/ports"
+HOSTS_FILE="$STATE/hosts"
+MUNGE_DIR="$STATE/munge"
+MUNGE_SOCK="$MUNGE_DIR/munge.socket"
+DB_DIR="$STATE/mariadb"
+DB_SOCK="$DB_DIR/mariadb.sock"
+LOG_DIR="$STATE/log"
+PID_DIR="$STATE/pid"
+SPOOL="$STATE/spool"
+
+# The processes `down` stops, in order: name of the pid file and the command name it must have
+# (checked so a stale pid file never makes us signal an unrelated process).
+DAEMONS=(n1:slurmd n2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadbd:mariadbd munged:munged ns:sleep)
+
+die() { echo "dev-cluster: $*" >&2; exit 1; }
+say() { echo "dev-cluster: $*" >&2; }
+
+usage() {
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+# ---------------------------------------------------------------------------------------------
+# pids
+# ---------------------------------------------------------------------------------------------
+
+# Prints the pid recorded for daemon NAME if that process is alive (not a zombie: PID 1 on some
+# machines never reaps orphans) and still runs the expected command; fails otherwise.
+live_pid() {
+    local name="$1" comm="$2" pid state
+    [[ -s "$PID_DIR/$name.pid" ]] || return 1
+    pid="$(tr -dc '0-9' <"$PID_DIR/$name.pid")"
+    [[ -n "$pid" && -r "/proc/$pid/stat" ]] || return 1
+    state="$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
+    [[ "$state" != Z && "$state" != X ]] || return 1
+    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]] || return 1
+    echo "$pid"
+}
+
+pid_alive() {  # alive and not a zombie
+    local state
+    state="$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
+    [[ -n "$state" && "$state" != Z && "$state" != X ]]
+}
+
+# Sends TERM to PIDS, waits up to 8 s for them to exit, then sends KILL.
+stop_pids() {
+    local pid deadline=$((SECONDS + 8)) left
+    (($# > 0)) || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    while :; do
+        left=()
+        for pid in "$@"; do pid_alive "$pid" && left+=("$pid"); done
+        ((${#left[@]} > 0)) || return 0
+        if ((SECONDS >= deadline)); then
+            say "still running after 8 s, killing: ${left[*]}"
+            kill -KILL "${left[@]}" 2>/dev/null || true
+            sleep 0.2
+            return 0
+        fi
+        sleep 0.1
+    done
+}
+
+# Waits up to SECS seconds for COMMAND to succeed; prints WHAT and fails on timeout.
+wait_for() {
+    local secs="$1" what="$2"
+    shift 2
+    local deadline=$((SECONDS + secs))
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || { say "timed out after ${secs} s waiting for $what"; return 1; }
+        sleep 0.2
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# ports: the trainer derives MASTER_PORT from the job id in 15000-29999, and Linux hands out
+# ephemeral ports from 32768, so search 30817..32767 for ports no TCP socket uses.
+# ---------------------------------------------------------------------------------------------
+
+port_used() {
+    local hex
+    hex="$(printf '%04X' "$1")"
+    # column 2 is local_address as ADDR:PORT in hex; any state (listening or connected) counts
+    awk -v p=":$hex" 'NR > 1 && substr($2, length($2) - 4) == p { found = 1 } END { exit !found }' \
+        /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+
+pick_ports() {  # prints N free ports
+    local n="$1" port="$PORT_BASE" got=0
+    while ((got < n)); do
+        ((port < 32768)) || die "no $n free TCP ports between $PORT_BASE and 32767"
+        if ! port_used "$port"; then echo "$port"; got=$((got + 1)); fi
+        port=$((port + 1))
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# install
+# ---------------------------------------------------------------------------------------------
+
+install_missing() {
+    local bin missing=()
+    for bin in munged mungekey slurmctld slurmd slurmdbd sbatch sacct sacctmgr mariadbd \
+        mariadb mariadb-admin mariadb-install-db; do
+        command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    say "missing ${missing[*]}; installing slurm-wlm munge slurmdbd mariadb-server"
+    local pkgs=(slurm-wlm munge slurmdbd mariadb-server)
+    export DEBIAN_FRONTEND=noninteractive
+    # The package lists may be stale or absent (fresh container): update only when needed.
+    local log="$LOG_DIR/apt.log"
+    apt-get install -y -q "${pkgs[@]}" >"$log" 2>&1 ||
+        { apt-get update -q >>"$log" 2>&1 && apt-get install -y -q "${pkgs[@]}" >>"$log" 2>&1; } ||
+        { tail -20 "$log" >&2; die "apt-get install failed (log: $log)"; }
+}
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+
+write_configs() {
+    local ctld_port="$1" dbd_port="$2" db_port="$3" n1_port="$4" n2_port="$5" db_pass="$6"
+    local cpus mem
+    # Each node advertises the whole machine (SlurmdParameters=config_overrides makes slurmd
+    # trust these numbers); at least 2 CPUs so 2 tasks per node can be tried anywhere.
+    cpus="${DEV_CLUSTER_CPUS:-$(nproc)}"
+    ((cpus >= 2)) || cpus=2
+    mem="$(awk '/^MemTotal:/ { print int($2 / 1024) }' /proc/meminfo)"
+
+    cat >"$CONF" <<EOF
+# Generated by slurm/dev-cluster.sh: a 2-node cluster on one machine. Removed by "down".
+ClusterName=$CLUSTER
+# "localhost" is accepted as the controller's name on any machine; clients reach it on 127.0.0.1.
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=$ctld_port
+# Root runs everything: no slurm user needs to exist, and jobs may run as any user.
+SlurmUser=root
+SlurmdUser=root
+# Our own munge daemon; cred_expire=10: a requeued job waits for its credential to expire before
+# it may start again (default 120 s).
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=10
+CredType=cred/munge
+
+StateSaveLocation=$SPOOL/slurmctld
+SlurmctldPidFile=$PID_DIR/slurmctld.pid
+SlurmctldLogFile=$LOG_DIR/slurmctld.log
+# Several slurmd on one machine (Debian builds multiple-slurmd support): %n is the node name.
+SlurmdSpoolDir=$SPOOL/%n
+SlurmdPidFile=$PID_DIR/%n.pid
+SlurmdLogFile=$LOG_DIR/%n.log
+# The nodes share one box, so slurmd must not compare what it finds with the node definitions.
+SlurmdParameters=config_overrides
+PlugStackConfig=$STATE/plugstack.conf
+MailProg=/bin/true
+
+# No cgroups in containers/sandboxes: track processes by parent pid, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+# A requeued job may start again once its BeginTime (requeue + cred_expire) has passed, but only
+# a scheduling pass starts it: every 2 s instead of every 30 s (backfill) / 60 s (main loop).
+SchedulerParameters=bf_interval=2,sched_interval=2
+# "scontrol requeue" and sbatch --requeue work; nodes come back by themselves after a restart.
+JobRequeue=1
+ReturnToService=2
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+SlurmdTimeout=60
+
+# Accounting through our slurmdbd (submitit's job.state and sacct need it). The "password" of the
+# slurmdbd connection is the munge socket to use, since ours is not the default one.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$dbd_port
+AccountingStoragePass=$MUNGE_SOCK
+
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n1_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n2_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=dev Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+EOF
+    : >"$STATE/plugstack.conf"  # keeps the machine's /etc/slurm/plugstack.conf out of our jobs
+
+    # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF; it refuses a readable one.
+    (
+        umask 077
+        cat >"$DBD_CONF" <<EOF
+# Generated by slurm/dev-cluster.sh.
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCK
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$dbd_port
+SlurmUser=root
+PidFile=$PID_DIR/slurmdbd.pid
+LogFile=$LOG_DIR/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$db_port
+StorageUser=slurm
+StoragePass=$db_pass
+StorageLoc=slurm_acct_db
+EOF
+    )
+
+    # The hosts file bind-mounted over /etc/hosts inside the daemons' namespace.
+    { grep -v -F "$HOSTS_TAG" /etc/hosts || true; echo "127.0.0.1 ${NODES[*]}"; } >"$HOSTS_FILE"
+}
+
+# ---------------------------------------------------------------------------------------------
+# the mount namespace the daemons (and so every job) run in
+# ---------------------------------------------------------------------------------------------
+
+IN_NS=()  # command prefix that runs a program inside the namespace (empty in /etc/hosts mode)
+
+start_namespace() {
+    if [[ "${DEV_CLUSTER_HOSTS:-namespace}" == namespace ]] &&
+        unshare --mount --propagation private true 2>/dev/null; then
+        # A "sleep infinity" holds the namespace open; daemons join it with nsenter.
+        # shellcheck disable=SC2016  # $1, $2, $$ belong to the inner shell
+        setsid -f unshare --mount --propagation private -- bash -c \
+            'mount --bind "$1" /etc/hosts && echo $$ >"$2" && exec sleep infinity' \
+            ns "$HOSTS_FILE" "$PID_DIR/ns.pid" </dev/null >>"$LOG_DIR/ns.log" 2>&1
+        wait_for 5 "the mount namespace" live_pid ns sleep || die "could not create a mount namespace (see $LOG_DIR/ns.log)"
+        local pid ns
+        pid="$(live_pid ns sleep)"
+        # The namespace's inode number identifies it. Never record our own namespace: `down`
+        # stops every process left in the recorded one.
+        ns="$(stat -L -c %i "/proc/$pid/ns/mnt")"
+        [[ "$ns" != "$(stat -L -c %i /proc/self/ns/mnt)" ]] || die "unshare did not create a new mount namespace"
+        echo "$ns" >"$STATE/mntns"
+        IN_NS=(nsenter --target "$pid" --mount --)
+        echo namespace >"$STATE/hosts_mode"
+    else
+        # Fallback: make n1/n2 resolvable machine-wide with one marked line.
+        say "no private mount namespace (unavailable, or DEV_CLUSTER_HOSTS is set);" \
+            "adding '127.0.0.1 ${NODES[*]}' to /etc/hosts until \"$0 down\""
+        # Rewrite in place (not sed -i): /etc/hosts is often a bind mount in containers.
+        local lines
+        lines="$(grep -v -F "$HOSTS_TAG" /etc/hosts || true)"
+        printf '%s\n%s\n' "$lines" "127.0.0.1 ${NODES[*]} $HOSTS_TAG" >/etc/hosts
+        echo etc-hosts >"$STATE/hosts_mode"
+    fi
+}
+
+load_ns() {
+    IN_NS=()
+    local pid
+    if [[ "$(cat "$STATE/hosts_mode" 2>/dev/null)" == namespace ]] && pid="$(live_pid ns sleep)"; then
+        IN_NS=(nsenter --target "$pid" --mount --)
+    fi
+}
+
+# Starts a program detached from this shell (setsid -f: it outlives us, its output goes to LOG,
+# and it does not hold our stdout open, so `x=$(dev-cluster.sh up)` returns).
+spawn() {
+    local log="$1"
+    shift
+    setsid -f "${IN_NS[@]}" "$@" </dev/null >>"$log" 2>&1
+}
+
+# ---------------------------------------------------------------------------------------------
+# daemons
+# ---------------------------------------------------------------------------------------------
+
+start_munge() {
+    mungekey --create --keyfile="$MUNGE_DIR/munge.key" >/dev/null
+    chmod 600 "$MUNGE_DIR/munge.key"
+    spawn "$LOG_DIR/munged.out" munged --key-file="$MUNGE_DIR/munge.key" --socket="$MUNGE_SOCK" \
+        --pid-file="$PID_DIR/munged.pid" --log-file="$LOG_DIR/munged.log" \
+        --seed-file="$MUNGE_DIR/munged.seed"
+    # shellcheck disable=SC2016  # $1 belongs to the inner shell
+    wait_for 10 munged bash -c 'munge -S "$1" -n | unmunge -S "$1"' _ "$MUNGE_SOCK" || return 1
+}
+
+start_mariadb() {
+    local port="$1" pass="$2"
+    # Small InnoDB files: initialising the datadir takes 0.7 s instead of 4 s. slurmdbd logs
+    # "Database settings not recommended values: innodb_buffer_pool_size" for this; harmless here.
+    # The lock wait timeout is the one slurmdbd asks for.
+    local innodb=(--innodb-buffer-pool-size=32M --innodb-log-file-size=8M
+        --innodb-data-file-path=ibdata1:4M:autoextend --innodb-lock-wait-timeout=900)
+    # --no-defaults everywhere: the machine's /etc/mysql config (socket, datadir) is not ours.
+    mariadb-install-db --no-defaults --datadir="$DB_DIR/data" --user=root \
+        --auth-root-authentication-method=normal --skip-test-db "${innodb[@]}" \
+        >"$LOG_DIR/mariadb-install.log" 2>&1 || { tail -20 "$LOG_DIR/mariadb-install.log" >&2; return 1; }
+    spawn "$LOG_DIR/mariadbd.out" mariadbd --no-defaults --user=root --datadir="$DB_DIR/data" \
+        --socket="$DB_SOCK" --pid-file="$PID_DIR/mariadbd.pid" --log-error="$LOG_DIR/mariadbd.log" \
+        --port="$port" --bind-address=127.0.0.1 --skip-name-resolve "${innodb[@]}"
+    wait_for 30 mariadbd mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping || return 1
+    # slurmdbd connects over TCP to 127.0.0.1 (it has no socket-path setting).
+    mariadb --no-defaults --socket="$DB_SOCK" -u root -e "
+        CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+}
+
+start_slurmdbd() {
+    spawn "$LOG_DIR/slurmdbd.out" slurmdbd
+    wait_for 30 slurmdbd sacctmgr -n list cluster || return 1
+    # Register the cluster before slurmctld first connects, so its records are kept from job 1.
+    sacctmgr -i add cluster "$CLUSTER" >/dev/null
+}
+
+start_slurmctld() {
+    # -i: ignore state files from an older cluster in this folder (there are none after "down").
+    spawn "$LOG_DIR/slurmctld.out" slurmctld -f "$CONF" -i
+    wait_for 20 slurmctld bash -c 'scontrol ping | grep -q UP' || return 1
+}
+
+start_slurmd() {
+    local node
+    for node in "${NODES[@]}"; do
+        mkdir -p "$SPOOL/$node"
+        spawn "$LOG_DIR/$node.out" slurmd -f "$CONF" -N "$node"
+    done
+    wait_for 30 "nodes ${NODES[*]} to be idle" nodes_idle || return 1
+}
+
+nodes_idle() {
+    local states
+    states="$(sinfo -h -N -o '%N %T' | sort -u)"
+    [[ "$states" == "$(printf '%s idle\n' "${NODES[@]}")" ]]
+}
+
+sacct_ok() {  # sacct answers without complaint (it only warns when slurmdbd is unreachable)
+    local err
+    err="$(sacct -n -X -o JobID 2>&1 >/dev/null)" && [[ -z "$err" ]]
+}
+
+# ---------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------
+
+# 0: every daemon alive; 1: none (or no cluster); 2: some.
+cluster_state() {
+    local d want=0 alive=0
+    [[ -f "$STATE/$MARKER" ]] || return 1
+    for d in "${DAEMONS[@]}"; do
+        # no namespace holder in /etc/hosts mode
+        [[ "$d" == ns:sleep && "$(cat "$STATE/hosts_mode" 2>/dev/null)" == etc-hosts ]] && continue
+        want=$((want + 1))
+        live_pid "${d%%:*}" "${d#*:}" >/dev/null && alive=$((alive + 1))
+    done
+    ((alive == want)) && return 0
+    ((alive == 0)) && return 1
+    return 2
+}
+
+print_env() {
+    printf 'export SLURM_CONF=%q\n' "$CONF"
+}
+
+cmd_env() {
+    [[ -f "$STATE/$MARKER" && -f "$CONF" ]] || die "no dev cluster in $STATE (run: $0 up)"
+    print_env
+}
+
+cmd_status() {
+    local rc=0
+    cluster_state || rc=$?
+    case "$rc" in
+        0) SLURM_CONF="$CONF" sinfo -N -l && return 0 ;;
+        1) echo "dev cluster is down ($STATE)"; return 1 ;;
+        *)
+            echo "dev cluster is partly down ($STATE); dead:"
+            local d
+            for d in "${DAEMONS[@]}"; do
+                live_pid "${d%%:*}" "${d#*:}" >/dev/null || echo "  ${d%%:*}"
+            done
+            echo "run: $0 down && $0 up"
+            return 1
+            ;;
+    esac
+}
+
+cmd_up() {
+    [[ "$(id -u)" == 0 ]] || die "must run as root (it starts slurmd, munged and mariadbd as root)"
+    # Slurm config values and AuthInfo lists cannot hold these characters.
+    [[ "$STATE" == /* && "$STATE" != *[[:space:],=\#]* ]] ||
+        die "DEV_CLUSTER_DIR must be an absolute path without spaces, ',', '=' or '#': '$STATE'"
+    ((${#STATE} <= 80)) || die "DEV_CLUSTER_DIR is too long for unix socket paths (max 80 characters)"
+
+    local rc=0
+    cluster_state || rc=$?
+    if ((rc == 0)); then
+        say "already up ($STATE)"
+        print_up
+        return 0
+    fi
+    if [[ -e "$STATE" ]]; then
+        say "cleaning up a stopped or half-started cluster in $STATE"
+        cmd_down >/dev/null
+    fi
+
+    local t0=$SECONDS
+    mkdir -p "$STATE" "$MUNGE_DIR" "$DB_DIR" "$LOG_DIR" "$PID_DIR" "$SPOOL/slurmctld"
+    touch "$STATE/$MARKER"
+    install_missing
+    # munged wants its socket folder searchable by all (any user's sbatch talks to it) and
+    # writable by no one else; the key itself is mode 600.
+    chmod 755 "$STATE" "$MUNGE_DIR"
+
+    local ports db_pass
+    mapfile -t ports < <(pick_ports 5)
+    printf 'slurmctld=%s\nslurmdbd=%s\nmariadb=%s\nn1=%s\nn2=%s\n' "${ports[@]}" >"$PORTS_FILE"
+    # mysql's password: no '#' (slurmdbd.conf), nothing that needs SQL quoting
+    db_pass="$(tr -dc 'a-zA-Z0-9' </dev/urandom | head -c 24)" || true
+    write_configs "${ports[@]}" "$db_pass"
+    export SLURM_CONF="$CONF"
+
+    start_namespace
+    if ! { start_munge && start_mariadb "${ports[2]}" "$db_pass" && start_slurmdbd &&
+        start_slurmctld && start_slurmd && wait_for 20 "sacct" sacct_ok; }; then
+        local f
+        for f in "$LOG_DIR"/*; do
+            [[ -s "$f" ]] && { echo "==> $f <==" >&2; tail -n 15 "$f" >&2; }
+        done
+        stop_all
+        die "up failed; the daemons were stopped, logs kept in $LOG_DIR (\"$0 down\" removes them)"
+    fi
+    say "up in $((SECONDS - t0)) s"
+    print_up
+}
+
+print_up() {
+    local ports
+    ports="$(tr '\n' ' ' <"$PORTS_FILE")"
+    cat <<EOF
+dev cluster '$CLUSTER' is up: nodes ${NODES[*]}, partition dev (default), accounting on
+state folder: $STATE   (ports: ${ports% })
+use it from a shell with:
+  $(print_env)
+or: eval "\$($0 env)"       stop it with: $0 down
+EOF
+}
+
+# Stops every process of the cluster; keeps the state folder.
+stop_all() {
+    local d pid pids=() left=()
+    load_ns
+    # Cancel jobs first so slurmstepd and job processes end cleanly (and in /etc/hosts mode,
+    # where there is no namespace to sweep, at all).
+    if live_pid slurmctld slurmctld >/dev/null; then
+        local jobs
+        jobs="$(SLURM_CONF="$CONF" timeout 5 squeue -h -o %A 2>/dev/null || true)"
+        if [[ -n "$jobs" ]]; then
+            # shellcheck disable=SC2086  # one job id per word
+            SLURM_CONF="$CONF" timeout 5 scancel $jobs 2>/dev/null || true
+            local deadline=$((SECONDS + 5))
+            while ((SECONDS < deadline)) &&
+                [[ -n "$(SLURM_CONF="$CONF" timeout 5 squeue -h -o %A 2>/dev/null || true)" ]]; do
+                sleep 0.2
+            done
+        fi
+    fi
+    # In waves: slurmctld talks to slurmdbd (through munge) while it shuts down; killing all at
+    # once makes it wait for a dead slurmdbd.
+    local wave
+    for wave in "n1 n2 slurmctld" "slurmdbd" "mariadbd munged ns"; do
+        pids=()
+        for d in "${DAEMONS[@]}"; do
+            [[ " $wave " == *" ${d%%:*} "* ]] || continue
+            pid="$(live_pid "${d%%:*}" "${d#*:}")" && pids+=("$pid")
+        done
+        stop_pids "${pids[@]}"
+    done
+
+    # Whatever is still in our mount namespace (slurmstepd, job processes) belongs to us.
+    local ns
+    ns="$(cat "$STATE/mntns" 2>/dev/null || true)"
+    if [[ -n "$ns" && "$ns" != "$(stat -L -c %i /proc/self/ns/mnt)" &&
+        "$ns" != "$(stat -L -c %i /proc/1/ns/mnt 2>/dev/null)" ]]; then
+        mapfile -t pids < <(stat -L -c '%i %n' /proc/[0-9]*/ns/mnt 2>/dev/null |
+            awk -v ns="$ns" '$1 == ns { split($2, p, "/"); print p[3] }')
+        left=()
+        for pid in "${pids[@]}"; do pid_alive "$pid" && left+=("$pid"); done
+        ((${#left[@]} == 0)) || { say "stopping ${#left[@]} leftover job process(es)"; stop_pids "${left[@]}"; }
+    fi
+
+    if [[ "$(cat "$STATE/hosts_mode" 2>/dev/null)" == etc-hosts ]] && grep -q -F "$HOSTS_TAG" /etc/hosts; then
+        local lines
+        lines="$(grep -v -F "$HOSTS_TAG" /etc/hosts || true)"
+        printf '%s\n' "$lines" >/etc/hosts
+    fi
+}
+
+cmd_down() {
+    if [[ ! -e "$STATE" ]]; then
+        echo "dev cluster is not running ($STATE does not exist)"
+        return 0
+    fi
+    [[ -f "$STATE/$MARKER" ]] || die "$STATE was not made by this script; not touching it"
+    local t0=$SECONDS
+    stop_all
+    rm -rf -- "$STATE"
+    echo "dev cluster stopped and $STATE removed ($((SECONDS - t0)) s)"
+}
+
+case "${1:-}" in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    env) cmd_env ;;
+    status) cmd_status ;;
+    *) usage ;;
+esac

@@ -1,0 +1,198 @@
+"""Checkpoints: commit protocol, step-exact resume, preemption signals, dead ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import checkpoint as ckpt
+
+from .conftest import SMALL, clean_env, ok, result_of, run_trainer, spawn_ranks
+
+RESUME = [*SMALL, "train.epochs=2", "data.synthetic_train_size=512"]  # 2 ranks × batch 32: 8 steps per epoch
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(result_of(run)["checkpoint"], weights_only=True)["model"]
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """Uninterrupted 2-process runs, by extra arguments, to compare resumed runs with."""
+    base = tmp_path_factory.mktemp("ref")
+    out = {}
+    for key, extra in {"plain": [], "accum": ["optim.grad_accum=3"], "workers": ["data.num_workers=1"]}.items():
+        ok(run_trainer([*RESUME, *extra, f"run.dir={base / key}"], base, nproc=2))
+        out[key] = final_weights(base / key)
+    return out
+
+
+@pytest.mark.parametrize(("key", "micro"), [
+    ("plain", 2),      # mid-epoch
+    ("plain", 7),      # last step of epoch 0: saved as the start of epoch 1
+    ("plain", 12),     # mid-epoch 1
+    ("accum", 4),      # mid accumulation window (windows of 3 micro-steps), finished before the save
+    ("accum", 7),      # the short last window of the epoch (8 = 3 + 3 + 2)
+    ("workers", 5),    # persistent DataLoader workers
+])
+def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, torch.Tensor]],
+                                 key: str, micro: int) -> None:
+    extra = {"plain": [], "accum": ["optim.grad_accum=3"], "workers": ["data.num_workers=1"]}[key]
+    run = tmp_path / "run"
+    # Ranks started like srun starts them (torchrun's agent would turn exit code 75 into 1).
+    ranks = spawn_ranks([*RESUME, *extra, f"run.dir={run}", f"debug.preempt_at_step={micro}"], tmp_path)
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs
+    assert outs[0].count("received: saved") == 1
+    assert not (run / "result.json").exists()
+    second = ok(run_trainer([*RESUME, *extra, f"run.dir={run}"], tmp_path, nproc=2))
+    assert second.stdout.count("resumed from") == 1
+    assert_bit_identical(final_weights(run), reference[key])
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args, "debug.save_delay_s=30"], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    folder = run / "checkpoints"
+    deadline = time.monotonic() + 120
+    # The first save sleeps half-written for 30 s too: wait for it to commit and the second to start.
+    while not ((folder / "step_00000010.json").exists() and (folder / ".step_00000020.pt.tmp").exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert [m.name for m in ckpt.committed(folder)] == ["step_00000010.json"]
+    ckpt.verify(folder / "step_00000010.json")
+    assert (folder / "latest").read_text() == "step_00000010.pt"
+    resumed = ok(run_trainer(args, tmp_path))
+    assert "resumed from" in resumed.stdout and "step_00000010.pt" in resumed.stdout
+    assert not list(folder.glob(".*.tmp"))  # the next save cleared the leftover
+    ok(run_trainer([*args, f"run.dir={tmp_path / 'ref'}"], tmp_path))
+    assert_bit_identical(final_weights(run), final_weights(tmp_path / "ref"))
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*SMALL, f"run.dir={run}", "checkpoint.every_steps=10", "checkpoint.keep=5"]
+    ok(run_trainer(args, tmp_path))
+    expected = final_weights(run)
+    newest = run / "checkpoints" / "step_00000032.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    resumed = ok(run_trainer(args, tmp_path))
+    assert "skipping checkpoint" in resumed.stderr and "checksum" in resumed.stderr
+    assert "step_00000030.pt" in resumed.stdout
+    assert_bit_identical(final_weights(run), expected)
+
+
+def test_truncated_and_unmarked_checkpoints_never_count(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=10", "checkpoint.keep=5"], tmp_path))
+    folder = run / "checkpoints"
+    (folder / "step_00000032.pt").write_bytes((folder / "step_00000032.pt").read_bytes()[:100])
+    with pytest.warns(UserWarning, match="truncated"):
+        path, state = ckpt.find_resumable(run)  # type: ignore[misc]
+    assert path.name == "step_00000030.pt" and state["progress"]["global_step"] == 30
+    (folder / "step_00000030.json").unlink()  # no marker: an unfinished save
+    with pytest.warns(UserWarning):
+        path, _ = ckpt.find_resumable(run)  # type: ignore[misc]
+    assert path.name == "step_00000020.pt"
+
+
+def test_keep_last_k_and_periodic_by_time(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_minutes=0.0005", "checkpoint.keep=2",
+                    "debug.step_delay_s=0.05"], tmp_path))
+    manifests = ckpt.committed(run / "checkpoints")
+    assert [m.name for m in manifests][0] == "step_00000032.json" and len(manifests) == 2
+    assert len(list((run / "checkpoints").glob("step_*.pt"))) == 2
+    meta = json.loads(manifests[1].read_text())
+    assert meta["global_step"] < 32  # a timed save happened before the final one
+
+
+def test_async_saves_commit_and_match_sync_saves(tmp_path: Path) -> None:
+    args = [*SMALL, "checkpoint.every_steps=4", "checkpoint.keep=20"]
+    ok(run_trainer([*args, f"run.dir={tmp_path / 'sync'}"], tmp_path, nproc=2))
+    ok(run_trainer([*args, f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true"], tmp_path, nproc=2))
+    s, a = ckpt.committed(tmp_path / "sync" / "checkpoints"), ckpt.committed(tmp_path / "async" / "checkpoints")
+    assert [m.name for m in s] == [m.name for m in a] and len(a) == 4  # 16 steps, every 4
+    for ms, ma in zip(s, a, strict=True):
+        ckpt.verify(ma)
+        st = torch.load(ms.with_suffix(".pt"), weights_only=True)
+        at = torch.load(ma.with_suffix(".pt"), weights_only=True)
+        assert_bit_identical(st["model"], at["model"])
+        assert len(at["rng"]) == 2  # every rank's generators
+
+
+def _wait_for(proc: subprocess.Popen[str], text: str, timeout: float = 120) -> str:
+    """Read proc's output until a line contains text."""
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"{text!r} not seen:\n{''.join(seen)}")
+
+
+def test_signal_saves_once_exits_75_and_rerun_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*SMALL, f"run.dir={run}", "data.num_workers=1", "debug.step_delay_s=0.1"]
+    ranks = spawn_ranks(args, tmp_path)
+    _wait_for(ranks[0], "step 8:")
+    for p in ranks:  # as Slurm does: every process of the step, DataLoader workers included
+        os.killpg(p.pid, signal.SIGUSR2)
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs
+    assert outs[0].count("SIGUSR2 received: saved") == 1 and "received" not in outs[1]
+    assert len(ckpt.committed(run / "checkpoints")) == 1
+    marker = json.loads((run / "requeue.json").read_text())  # for launchers that lose the exit code
+    assert marker["signal"] == "SIGUSR2" and Path(marker["checkpoint"]).is_file()
+    ranks = spawn_ranks([*SMALL, f"run.dir={run}", "data.num_workers=1"], tmp_path)
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert outs[0].count("resumed from") == 1
+    assert not (run / "requeue.json").exists()
+    assert result_of(run)["global_step"] == 16
+
+
+def test_sigterm_also_saves(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ranks = spawn_ranks([*SMALL, f"run.dir={run}", "debug.step_delay_s=0.1"], tmp_path)
+    _wait_for(ranks[0], "step 8:")
+    ranks[1].send_signal(signal.SIGTERM)  # one rank alone is enough: the flag is all-reduced
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs
+    assert "SIGTERM received: saved" in outs[0]
+
+
+def test_a_dead_rank_makes_the_other_exit_nonzero_within_the_timeout(tmp_path: Path) -> None:
+    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "debug.step_delay_s=0.1", "dist.timeout_s=20"],
+                        tmp_path)
+    _wait_for(ranks[0], "step 8:")
+    os.killpg(ranks[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    out = ranks[0].communicate(timeout=90)[0]
+    assert ranks[0].returncode not in (0, None), out
+    assert time.monotonic() - start < 20 + 30, out
