@@ -6,7 +6,13 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: help venv train test lint clean
+CLUSTER ?= dev
+NODES ?=
+LAUNCHER ?= submitit
+DRY_RUN ?=
+WAIT ?=
+
+.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,6 +34,16 @@ test: venv  ## run the test suite
 lint: venv  ## ruff and mypy
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+submit: venv  ## submit to Slurm: CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..."
+	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \
+		$(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) -- $(ARGS)
+
+dev-cluster:  ## start a real 2-node Slurm (with accounting) on this machine (root, Debian/Ubuntu)
+	bash slurm/dev-cluster.sh up
+
+dev-cluster-down:  ## stop the dev cluster and remove its state
+	bash slurm/dev-cluster.sh down
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

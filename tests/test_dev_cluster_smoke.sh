@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2016  # single-quoted job scripts expand inside the job, as intended
 # Smoke test of slurm/dev-cluster.sh: brings up its own 2-node cluster, runs real jobs through it,
 # and takes it down again. Needs root (the cluster's daemons run as root); prints "SKIP" and
 # exits 0 otherwise. Takes about a minute (a DDP training run on 2 nodes included when .venv
@@ -24,6 +25,11 @@ WORK="$(mktemp -d)"
 failures=0
 pass() { echo "PASS: $*"; }
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+check() {  # check DESCRIPTION COMMAND...: PASS when COMMAND succeeds
+    local what="$1"
+    shift
+    if "$@"; then pass "$what"; else fail "$what"; fi
+}
 
 cleanup() {
     "$CLUSTER" down >/dev/null 2>&1 || true
@@ -42,8 +48,8 @@ wait_job() {
 
 # Prints the job's state from accounting, retrying while slurmdbd catches up.
 acct_state() {
-    local state="" i
-    for i in $(seq 20); do
+    local state="" deadline=$((SECONDS + 10))
+    while ((SECONDS < deadline)); do
         state="$(sacct -j "$1" -X -n -P -o State 2>/dev/null | head -1)"
         [[ -n "$state" && "$state" != RUNNING && "$state" != PENDING ]] && break
         sleep 0.5
@@ -58,27 +64,28 @@ echo "up took $((SECONDS - start)) s"
 eval "$("$CLUSTER" env)"
 cd "$WORK"
 
-"$CLUSTER" up 2>&1 | grep -q "already up" && pass "second up says already up" || fail "second up"
-"$CLUSTER" status >/dev/null && pass "status exits 0" || fail "status"
+out="$("$CLUSTER" up 2>&1)"
+check "a second up says 'already up'" grep -q "already up" <<<"$out"
+check "status exits 0" "$CLUSTER" status
 
 states="$(sinfo -h -N -o '%N %T' | sort -u | tr '\n' ' ')"
-[[ "$states" == "n1 idle n2 idle " ]] && pass "sinfo: $states" || fail "sinfo: '$states'"
+check "sinfo: '$states'" test "$states" == "n1 idle n2 idle "
 
 # --- steps: ranks, node names resolvable inside the job ---------------------------------------
 out="$(srun -N2 -n2 bash -c 'echo "$SLURM_PROCID $SLURMD_NODENAME $(getent hosts n1 | cut -d" " -f1)"' | sort)"
-[[ "$out" == $'0 n1 127.0.0.1\n1 n2 127.0.0.1' ]] && pass "srun -N2: ranks on n1, n2; n1 resolves" ||
-    fail "srun -N2 gave: $out"
+check "srun -N2: ranks 0, 1 on n1, n2; n1 resolves in the job (got: ${out//$'\n'/; })" \
+    test "$out" == $'0 n1 127.0.0.1\n1 n2 127.0.0.1'
 
 # --- sbatch + accounting; SLURM_STEP_ID in the batch shell and in a step ----------------------
 id="$(sbatch --parsable -N2 --ntasks-per-node=1 -o "$WORK/env-%j.out" --wrap \
     'echo "batch STEP_ID=${SLURM_STEP_ID-unset}"; srun bash -c "echo step STEP_ID=\${SLURM_STEP_ID-unset}"')"
 wait_job 60 "$id" || fail "job $id did not finish"
 state="$(acct_state "$id")"
-[[ "$state" == COMPLETED ]] && pass "sacct: job $id $state" || fail "sacct: job $id '$state'"
-grep -qx 'batch STEP_ID=unset' "$WORK/env-$id.out" && pass "batch shell has no SLURM_STEP_ID" ||
-    fail "batch shell: $(grep batch "$WORK/env-$id.out")"
-[[ "$(grep -c -x 'step STEP_ID=0' "$WORK/env-$id.out")" == 2 ]] && pass "srun step: SLURM_STEP_ID=0 on both ranks" ||
-    fail "steps: $(grep step "$WORK/env-$id.out" | tr '\n' ' ')"
+check "sacct: job $id is '$state'" test "$state" == COMPLETED
+check "batch shell has no SLURM_STEP_ID ($(grep batch "$WORK/env-$id.out"))" \
+    grep -qx 'batch STEP_ID=unset' "$WORK/env-$id.out"
+check "srun step: SLURM_STEP_ID=0 on both ranks ($(grep step "$WORK/env-$id.out" | tr '\n' ' '))" \
+    test "$(grep -c -x 'step STEP_ID=0' "$WORK/env-$id.out")" == 2
 
 # --- requeue: the job starts again with SLURM_RESTART_COUNT=1 ---------------------------------
 id="$(sbatch --parsable --requeue --open-mode=append -o "$WORK/rq-%j.out" \
@@ -151,9 +158,9 @@ for pid in $pids; do
     state="$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" || true
     [[ -n "$state" && "$state" != Z ]] && alive+=" $pid"
 done
-[[ -z "$alive" ]] && pass "down stopped every daemon" || fail "still running after down:$alive"
-[[ ! -e "$DEV_CLUSTER_DIR" ]] && pass "down removed $DEV_CLUSTER_DIR" || fail "$DEV_CLUSTER_DIR still exists"
-"$CLUSTER" status >/dev/null && fail "status exits 0 after down" || pass "status exits 1 after down"
+check "down stopped every daemon (still running:${alive:- none})" test -z "$alive"
+check "down removed $DEV_CLUSTER_DIR" test ! -e "$DEV_CLUSTER_DIR"
+check "status exits 1 after down" test "$("$CLUSTER" status >/dev/null; echo $?)" == 1
 
 echo
 if ((failures)); then

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from trainer import config as config_mod
 from trainer.env import discover
 from trainer.errors import EXIT_BAD_INPUT, UserError
+
+
+def run(args: list[str]) -> dict[str, Any]:
+    """Train with ``key=value`` arguments in this process; return the summary (raises UserError on bad input)."""
+    # Config and environment are checked before torch is even imported: bad input fails fast.
+    cfg = config_mod.load(args)
+    env = discover()
+    from trainer import dist
+    from trainer.train import fit
+
+    device = dist.pick_device(env, cfg.train.device)
+    try:
+        dist.setup(env, cfg, device)
+        return fit(cfg, env, device)
+    finally:
+        dist.teardown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,18 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(config_mod.help_text())
         return 0
     try:
-        # Config and environment are checked before torch is even imported: bad input fails fast.
-        cfg = config_mod.load(args)
-        env = discover()
-        from trainer import dist
-        from trainer.train import fit
-
-        device = dist.pick_device(env, cfg.train.device)
-        try:
-            dist.setup(env, cfg, device)
-            result = fit(cfg, env, device)
-        finally:
-            dist.teardown()
+        result = run(args)
     except UserError as err:
         print(err.render(), file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT

@@ -35,8 +35,12 @@ class Preemption:
 
     def __init__(self, signals: tuple[int, ...]) -> None:
         self.signum = 0
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before (e.g. submitit's)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum  # no I/O in a handler: it may interrupt a write
@@ -123,11 +127,19 @@ class Meter:
 
 def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
     """Train to the configured epochs or until preempted; return the run's summary."""
-    torch.manual_seed(cfg.train.seed)
-    torch.use_deterministic_algorithms(cfg.train.deterministic)
     preempt_signal = getattr(signal, cfg.checkpoint.signal)
     signals = tuple({preempt_signal, signal.SIGTERM})
     preemption = Preemption(signals)
+    try:
+        return _fit(cfg, env, device, preemption, preempt_signal, signals)
+    finally:
+        preemption.restore()
+
+
+def _fit(cfg: Config, env: DistEnv, device: torch.device, preemption: Preemption, preempt_signal: int,
+         signals: tuple[int, ...]) -> dict[str, Any]:
+    torch.manual_seed(cfg.train.seed)
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
 
     data = build_data(cfg)  # before the run folder exists: a missing data set must leave nothing behind
     run_dir = choose_run_dir(cfg, env)
@@ -234,6 +246,7 @@ def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
                 if env.is_main:  # for launchers that cannot see our exit code (torchrun's agent turns 75 into 1)
                     marker = {"signal": signal.Signals(signum).name, "checkpoint": str(path), "step": progress.global_step}
                     ckpt.write_atomic(requeue_marker, json.dumps(marker).encode())
+                dist.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
                 say(env, f"\n{signal.Signals(signum).name} received: saved {path} at step {progress.global_step}; "
                          f"exiting with {EXIT_REQUEUE} so the launcher requeues")
                 outcome = "preempted"
@@ -253,7 +266,8 @@ def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
     if bar is not None:
         bar.close()
     if outcome == "preempted":
-        return {"outcome": outcome, "exit_code": EXIT_REQUEUE, "run_dir": str(run_dir)}
+        return {"outcome": outcome, "exit_code": EXIT_REQUEUE, "run_dir": str(run_dir), "rank": env.rank,
+                "signal": signal.Signals(signum).name, "checkpoint": str(saved[1]) if saved else None}
 
     # The final state is saved once: not again when the last periodic save already holds it.
     final = saved[1] if saved and saved[0] == progress.global_step else checkpointer.save(state(), progress.global_step)
@@ -271,6 +285,7 @@ def fit(cfg: Config, env: DistEnv, device: torch.device) -> dict[str, Any]:
         "global_step": progress.global_step,
         "world_size": env.world_size,
         "param_checksums": checksums,
+        "rank": env.rank,
         "resumed_from": str(resumed_from) if resumed_from else None,
     }
     if env.is_main:

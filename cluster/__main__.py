@@ -1,0 +1,49 @@
+"""``python -m cluster submit|render``: what `make submit` and the template regeneration call."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster.profile import load_profile
+from cluster.render import render_sbatch
+from cluster.submit import submit
+from trainer.errors import EXIT_BAD_INPUT, UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and submit, dry-run or render; exit 2 on bad input."""
+    parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("submit", help="submit training to Slurm")
+    s.add_argument("--cluster", default="dev", help="profile name in cluster/profiles, or a YAML path")
+    s.add_argument("--nodes", type=int, help="override the profile's node count")
+    s.add_argument("--launcher", default="submitit", help="submitit (default) or sbatch")
+    s.add_argument("--dry-run", action="store_true", help="print the exact script; submit nothing")
+    s.add_argument("--wait", action="store_true", help="wait for the job and print its result")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile key")
+    s.add_argument("args", nargs="*", help="training overrides, key=value")
+    r = sub.add_parser("render", help="print the sbatch template for a profile (hand-run scripts in slurm/)")
+    r.add_argument("--cluster", default="example-h100")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ns = parser.parse_args(argv)
+    try:
+        overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set if "=" in kv)
+        if ns.command == "render":
+            p = load_profile(ns.cluster, overrides)
+            sets = "".join(f" --set {kv}" for kv in ns.set)
+            origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE [key=value ...]` (sbatch options such as "
+                      f"--nodes=1 override the lines below).\n# Made by `python -m cluster render --cluster {ns.cluster}{sets}`: "
+                      "edit the profile and regenerate rather than editing by hand.")
+            print(render_sbatch(p, "python", [], origin), end="")
+            return 0
+        if ns.nodes is not None:
+            overrides["nodes"] = ns.nodes
+        return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait)
+    except UserError as err:
+        print(err.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Cluster profiles: everything a site needs (partition, GPUs, time, container) in one YAML file.
+
+Profiles live in ``cluster/profiles/<name>.yaml`` (or any path) and are merged over the
+:class:`Profile` defaults with OmegaConf; ``NODES=`` and friends override them last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.errors import UserError
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass
+class ContainerConfig:
+    runtime: str = "none"
+    """none, apptainer, pyxis or docker."""
+    image: str | None = None
+    """Image: a .sif path (apptainer), an image reference or .sqsh (pyxis), an image name (docker)."""
+    mounts: list[str] = field(default_factory=list)
+    """Extra host:container bind mounts (data sets); the run folder is always mounted."""
+
+
+@dataclass
+class Profile:
+    name: str = "default"
+    """Profile name (the file's stem)."""
+    partition: str | None = None
+    """Slurm partition (site-specific)."""
+    account: str | None = None
+    """Slurm account to charge (site-specific)."""
+    qos: str | None = None
+    """Slurm QOS (site-specific)."""
+    constraint: str | None = None
+    """Node feature constraint, e.g. h100 (site-specific)."""
+    nodes: int = 1
+    """Nodes per job (make submit NODES=…)."""
+    gpus_per_node: int = 0
+    """GPUs per node; one training process runs per GPU (0: CPU nodes)."""
+    tasks_per_node: int = 0
+    """Processes per node; 0 means gpus_per_node, or 1 on CPU nodes."""
+    cpus_per_task: int = 1
+    """CPU cores per process (DataLoader workers run on these)."""
+    mem_per_task_gb: float = 0
+    """Memory per process in GB; 0 leaves the partition's default."""
+    time_min: int = 60
+    """Time limit in minutes."""
+    job_name: str = "train"
+    """Slurm job name (letters, digits, '.', '_' and '-')."""
+    launch: str = "srun"
+    """srun (one task per process, rank from SLURM_*) or torchrun (one task per node, c10d rendezvous)."""
+    signal: str = "USR2"
+    """Signal Slurm sends before the time limit; the trainer saves and exits 75 on it."""
+    signal_grace_s: int = 120
+    """Seconds before the time limit that the signal is sent (enough for one save)."""
+    max_requeues: int = 3
+    """Requeues after a preemption or time-limit save before the job gives up."""
+    python: str = "python"
+    """Python on the compute nodes; 'python' means the interpreter that submits (same venv)."""
+    log_dir: str = "runs/slurm"
+    """Folder for Slurm's and submitit's logs."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before the launch, e.g. `module load cuda` (site-specific)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables exported to every task, e.g. NCCL_SOCKET_IFNAME."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Container runtime and image."""
+
+    @property
+    def ntasks_per_node(self) -> int:
+        """Processes per node as Slurm will start them."""
+        return self.tasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def procs_per_task(self) -> int:
+        """Training processes each Slurm task starts: 1 with srun, the node's share with torchrun."""
+        return self.ntasks_per_node if self.launch == "torchrun" else 1
+
+
+def _err(key: str, message: str, hint: str) -> UserError:
+    return UserError(f"profile.{key}", message, hint)
+
+
+def load_profile(name_or_path: str, overrides: dict[str, object] | None = None) -> Profile:
+    """A validated profile from ``cluster/profiles/<name>.yaml`` or a YAML path, with overrides applied."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+        raise UserError("CLUSTER", f"no profile {name_or_path!r} ({path})", f"use one of: {known}, or a YAML path")
+    schema = OmegaConf.structured(Profile(name=path.stem))
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        for key, value in (overrides or {}).items():
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        valid = ", ".join(f.name for f in fields(Profile))
+        raise _err(str(key), str(exc).splitlines()[0].rstrip("."), f"check {path}; valid keys: {valid}") from None
+    except Exception as exc:  # YAML syntax
+        raise UserError("CLUSTER", f"{path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the YAML") from None
+    profile: Profile = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(profile)
+    return profile
+
+
+def validate(p: Profile) -> None:
+    """Reject values Slurm would refuse later (or, worse, accept and misuse)."""
+    for key in ("nodes", "time_min", "cpus_per_task"):
+        if getattr(p, key) < 1:
+            raise _err(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
+    for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues"):
+        if getattr(p, key) < 0:
+            raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):
+        raise _err("job_name", f"{p.job_name!r} has characters Slurm and shells treat specially",
+                   "use letters, digits, '.', '_' and '-'")
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(p, key)
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9._,&|:\[\]*-]+", value):
+            raise _err(key, f"{value!r} is not a valid Slurm {key}", f"e.g. {key}: gpu")
+    if p.launch not in ("srun", "torchrun"):
+        raise _err("launch", f"must be srun or torchrun, got {p.launch!r}", "launch: srun")
+    if p.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
+        raise _err("signal", f"unsupported signal {p.signal!r}", "signal: USR2 (USR1 may be taken by NCCL)")
+    if p.container.runtime not in ("none", "apptainer", "pyxis", "docker"):
+        raise _err("container.runtime", f"must be none, apptainer, pyxis or docker, got {p.container.runtime!r}",
+                   "container: {runtime: none}")
+    if p.container.runtime != "none" and not p.container.image:
+        raise _err("container.image", f"is required with runtime {p.container.runtime}", "e.g. image: trainer.sif")
+    for name in p.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise _err(f"env.{name}", "is not a valid variable name", "use letters, digits and '_'")
+        if name == "WANDB_API_KEY":
+            raise _err("env.WANDB_API_KEY", "secrets do not belong in profiles (they end up in rendered scripts)",
+                       "export WANDB_API_KEY in your shell or use ~/.netrc; Slurm passes the environment on")

@@ -1,0 +1,143 @@
+"""Submit training to Slurm through submitit (default) or a rendered sbatch script."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.profile import Profile
+from cluster.render import render_sbatch
+from cluster.task import TrainTask
+from trainer.config import load as load_train_config
+from trainer.errors import UserError
+
+
+def python_for(p: Profile) -> str:
+    """The interpreter the compute nodes run: the profile's, or the one submitting (same venv)."""
+    return sys.executable if p.python == "python" else p.python
+
+
+def split_run_dir(args: list[str]) -> tuple[list[str], str | None]:
+    """Take ``run.dir=…`` out of the overrides: the batch script owns it (as RUN_DIR) to find requeue markers."""
+    rest = [a for a in args if not a.startswith("run.dir=")]
+    dirs = [a.split("=", 1)[1] for a in args if a.startswith("run.dir=")]
+    return rest, (dirs[-1] if dirs else None)
+
+
+def sbatch_script(p: Profile, args: list[str]) -> str:
+    """The script `LAUNCHER=sbatch` submits."""
+    rest, run_dir = split_run_dir(args)
+    return render_sbatch(p, python_for(p), rest, f"rendered from profile {p.name!r} by `python -m cluster submit`",
+                         run_dir=run_dir)
+
+
+def executor(p: Profile) -> Any:
+    """A submitit Slurm executor configured from the profile."""
+    import submitit
+
+    folder = Path(p.log_dir) / "%j"
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=p.max_requeues)
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
+    params: dict[str, Any] = {
+        "name": p.job_name,
+        "nodes": p.nodes,
+        "tasks_per_node": p.ntasks_per_node,
+        "cpus_per_task": p.cpus_per_task,
+        "timeout_min": p.time_min,
+        "slurm_signal_delay_s": p.signal_grace_s,
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],
+        "slurm_setup": setup,
+        "slurm_additional_parameters": {"requeue": True},
+    }
+    if p.gpus_per_node:
+        params["gpus_per_node"] = p.gpus_per_node
+    if p.mem_per_task_gb:
+        params["mem_gb"] = p.mem_per_task_gb * p.ntasks_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(p, key):
+            params[f"slurm_{key}"] = getattr(p, key)
+    ex.update_parameters(**params)
+    return ex
+
+
+def submitit_script(p: Profile, args: list[str]) -> str:
+    """The exact batch script submitit would submit for this profile (its submission file text)."""
+    ex = executor(p)
+    inner = ex._executor
+    command = " ".join(shlex.quote(c) for c in inner._submitit_command_str.split())
+    return str(inner._make_submission_file_text(command, "<uid>"))
+
+
+def check_slurm() -> None:
+    """Fail clearly when there is no Slurm to talk to."""
+    if shutil.which("sbatch") is None:
+        raise UserError("LAUNCHER", "sbatch is not on PATH", "submit from a Slurm login node, or start `make dev-cluster` "
+                        "and run `eval \"$(slurm/dev-cluster.sh env)\"`")
+
+
+def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool) -> int:
+    """Submit (or with dry_run print) one training job; with wait, block and report the result."""
+    if p.container.runtime != "none":
+        raise UserError("profile.container.runtime", f"{p.container.runtime} launches are not available in this version",
+                        "use container: {runtime: none} for now")
+    load_train_config([a for a in args if not a.startswith("run.dir=")])  # bad overrides fail here, not on the cluster
+    if launcher not in ("submitit", "sbatch"):
+        raise UserError("LAUNCHER", f"must be submitit or sbatch, got {launcher!r}", "LAUNCHER=sbatch or leave it unset")
+    if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
+        raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
+                        "submitit always warns with USR2 and starts one task per process",
+                        "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
+    if dry_run:
+        print(sbatch_script(p, args) if launcher == "sbatch" else submitit_script(p, args), end="")
+        if launcher == "submitit":  # the task itself travels as a pickle, not in the script
+            print(f"# each task runs: python -m trainer {shlex.join(['checkpoint.signal=SIGUSR2', *args])}", file=sys.stderr)
+        return 0
+    check_slurm()
+    Path(p.log_dir).mkdir(parents=True, exist_ok=True)
+    if launcher == "sbatch":
+        return _submit_sbatch(p, args, wait)
+    return _submit_submitit(p, args, wait)
+
+
+def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
+    script = sbatch_script(p, args)
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else [])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(script)
+    proc.stdin.close()
+    job_id = proc.stdout.readline().strip().split(";")[0]
+    log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
+    print(f"submitted job {job_id} (sbatch, {p.nodes} node(s), profile {p.name})")
+    print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
+    rc = proc.wait()
+    if wait:
+        print(f"job {job_id} ended with exit code {rc}")
+        if log.exists():
+            print("".join(log.read_text().splitlines(keepends=True)[-5:]), end="")
+    return rc
+
+
+def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
+    ex = executor(p)
+    job = ex.submit(TrainTask(["checkpoint.signal=SIGUSR2", *args], p.max_requeues))
+    print(f"submitted job {job.job_id} (submitit, {p.nodes} node(s), profile {p.name})")
+    print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
+    print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
+    if not wait:
+        return 0
+    try:
+        results = job.results()
+    except Exception as exc:  # submitit re-raises the task's error with its log
+        print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+        return 1
+    main = results[0]
+    print(f"job {job.job_id} done: test accuracy {100 * main['test_accuracy']:.2f}%, world size {main['world_size']}, "
+          f"checkpoint {main['checkpoint']}")
+    for r in results:
+        print(f"  rank {r['rank']}: world size {r['world_size']}, parameter checksum {r['param_checksums'][r['rank']]}")
+    return 0

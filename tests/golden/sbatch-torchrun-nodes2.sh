@@ -1,0 +1,37 @@
+#!/bin/bash
+# rendered from profile 'dev' by `python -m cluster submit`
+#SBATCH --job-name=train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
+# SITE
+#SBATCH --partition=dev
+#SBATCH --signal=TERM@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=runs/slurm/%x-%j.out
+set -euo pipefail
+
+export OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1
+RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+
+rc=0
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$(( 15000 + SLURM_JOB_ID % 15000 ))
+srun --kill-on-bad-exit=1 <python> -m torch.distributed.run \
+    --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
+    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
+    -m trainer optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
+
+# Exit 75 (or the marker, when torchrun's agent hides the code): saved after a signal.
+if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
+  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
+    exit 0
+  fi
+  echo "not requeueing: 3 requeues done" >&2
+fi
+exit "$rc"

@@ -1,0 +1,171 @@
+"""Rendered batch scripts: golden files, shell validity, quoting of hostile input, profile errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.__main__ import main as cluster_main
+from cluster.profile import load_profile
+from cluster.render import render_sbatch
+from cluster.submit import sbatch_script, submitit_script
+from trainer.errors import UserError
+
+from .conftest import ROOT
+
+GOLDEN = Path(__file__).parent / "golden"
+HOSTILE = ["optim.lr=0.1", "run.name=a'; touch pwned; echo 'x", 'run.name="$(touch pwned)"', "run.name=a b;c|d`touch pwned`"]
+
+
+def normalized(text: str) -> str:
+    """Machine-specific paths replaced, so golden files hold on any checkout."""
+    return text.replace(sys.executable, "<python>").replace(str(Path.cwd()), "<cwd>")
+
+
+def rendered(launcher: str, nodes: int, launch: str = "srun") -> str:
+    p = load_profile("dev", {"nodes": nodes, "launch": launch})
+    return normalized(sbatch_script(p, ["optim.lr=0.1"]) if launcher == "sbatch" else submitit_script(p, ["optim.lr=0.1"]))
+
+
+CASES = [("sbatch", 1, "srun"), ("sbatch", 2, "srun"), ("submitit", 1, "srun"), ("submitit", 2, "srun"),
+         ("sbatch", 2, "torchrun")]
+
+
+@pytest.mark.parametrize(("launcher", "nodes", "launch"), CASES)
+def test_golden(launcher: str, nodes: int, launch: str) -> None:
+    path = GOLDEN / f"{launcher}-{launch}-nodes{nodes}.sh"
+    text = rendered(launcher, nodes, launch)
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
+    assert text.count(f"--nodes={nodes}") == 1 and "SLURM_NNODES" not in text.replace('"$SLURM_NNODES"', "")
+
+
+def _shellcheck(path: Path, *extra: str) -> None:
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("shellcheck is missing under CI: .ci/run installs it")
+        pytest.skip("shellcheck not installed")
+    proc = subprocess.run(["shellcheck", "-s", "bash", *extra, str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize(("launcher", "nodes", "launch"), CASES)
+def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path, launcher: str, nodes: int, launch: str) -> None:
+    p = load_profile("dev", {"nodes": nodes, "launch": launch})
+    path = tmp_path / "job.sh"
+    path.write_text(sbatch_script(p, HOSTILE) if launcher == "sbatch" else submitit_script(p, HOSTILE))
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    _shellcheck(path, "--exclude=SC2016")  # SC2016 flags the hostile '$(...)' we quote on purpose
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "train-torchrun.sbatch"])
+def test_templates_pass_bash_n_and_shellcheck(name: str) -> None:
+    path = ROOT / "slurm" / name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    _shellcheck(path)
+
+
+@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+def test_hand_run_templates_are_what_the_renderer_makes(launch: str) -> None:
+    name = "train.sbatch" if launch == "srun" else "train-torchrun.sbatch"
+    sets = ["--set", "log_dir=."] + (["--set", "launch=torchrun"] if launch == "torchrun" else [])
+    proc = subprocess.run([sys.executable, "-m", "cluster", "render", "--cluster", "example-h100", *sets],
+                          capture_output=True, text=True, cwd=ROOT, check=True)
+    assert proc.stdout == (ROOT / "slurm" / name).read_text(), "regenerate with the command in the file's header"
+    text = proc.stdout
+    assert "set -euo pipefail" in text and "--kill-on-bad-exit=1" in text and "# SITE" in text
+
+
+def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: bool = False) -> dict[str, object]:
+    """Execute a rendered script with fake srun/scontrol that record how they were called."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    rec = tmp / "calls.jsonl"
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).write_text(
+            "#!/usr/bin/env python3\nimport json, os, sys\n"
+            f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR')]) + '\\n')\n"
+            f"sys.exit({rc if tool == 'srun' else 0})\n")
+        (bin_dir / tool).chmod(0o755)
+    run_dir = tmp / "run"
+    if marker:
+        run_dir.mkdir(exist_ok=True)
+        (run_dir / "requeue.json").write_text("{}")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+           "SLURM_RESTART_COUNT": str(restarts), "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "RUN_DIR": str(run_dir)}
+    (tmp / "job.sh").write_text(script)
+    proc = subprocess.run(["bash", str(tmp / "job.sh")], cwd=tmp, env=env, capture_output=True, text=True)
+    calls = [json.loads(line) for line in rec.read_text().splitlines()] if rec.exists() else []
+    return {"rc": proc.returncode, "calls": calls, "out": proc.stdout + proc.stderr}
+
+
+def test_hostile_overrides_arrive_verbatim_and_nothing_executes(tmp_path: Path, hostile_dir: Path) -> None:
+    p = load_profile("dev")
+    script = sbatch_script(p, [*HOSTILE, f"run.dir={hostile_dir}"])
+    env_dir = tmp_path / "x"
+    env_dir.mkdir()
+    res = _run_script(script.replace('RUN_DIR=${RUN_DIR:-', 'RUN_DIR=${RUN_DIR_UNSET:-'), env_dir)
+    srun = [c for c in res["calls"] if c[0] == "srun"]  # type: ignore[union-attr,index]
+    assert len(srun) == 1
+    argv = srun[0][1]
+    for arg in HOSTILE:
+        assert arg in argv
+    assert f"run.dir={hostile_dir}" in argv
+    assert not list(tmp_path.rglob("pwned")) and not list(Path.cwd().glob("pwned"))
+
+
+@pytest.mark.parametrize(("rc", "restarts", "marker", "requeued", "exit_code"), [
+    (0, 0, False, False, 0),
+    (1, 0, False, False, 1),
+    (75, 0, False, True, 0),
+    (1, 1, True, True, 0),     # torchrun's agent reports 1, the marker says "saved"
+    (75, 3, False, False, 75),  # max_requeues reached
+])
+def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, requeued: bool, exit_code: int) -> None:
+    res = _run_script(sbatch_script(load_profile("dev"), []), tmp_path, rc=rc, restarts=restarts, marker=marker)
+    requeues = [c for c in res["calls"] if c[0] == "scontrol"]  # type: ignore[union-attr,index]
+    assert (requeues == [["scontrol", ["requeue", "77"], str(tmp_path / "run")]]) == requeued, res
+    assert res["rc"] == exit_code, res
+
+
+def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "sekrit-123")
+    p = load_profile("dev")
+    assert "sekrit" not in sbatch_script(p, []) + submitit_script(p, [])
+    with pytest.raises(UserError, match="secrets"):
+        load_profile("dev", {"env.WANDB_API_KEY": "x"})
+
+
+@pytest.mark.parametrize(("sets", "field"), [
+    (["nodez=2"], "profile.nodez"),
+    (["nodes=0"], "profile.nodes"),
+    (["nodes=two"], "profile.nodes"),
+    (["job_name=a b"], "profile.job_name"),
+    (["partition=gpu;rm"], "profile.partition"),
+    (["launch=mpirun"], "profile.launch"),
+    (["container.runtime=podman"], "profile.container.runtime"),
+])
+def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
+    argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]
+    assert cluster_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {field}") and "HINT: " in err
+
+
+def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cluster_main(["submit", "--cluster", "nope", "--dry-run"]) == 2
+    assert "error: CLUSTER" in capsys.readouterr().err
+    assert cluster_main(["submit", "--cluster", "dev", "--dry-run", "--", "optim.lrr=1"]) == 2
+    assert "error: optim.lrr" in capsys.readouterr().err
+
+
+def test_render_refuses_quotes_in_log_dir() -> None:
+    with pytest.raises(UserError, match="double quote"):
+        render_sbatch(load_profile("dev", {"log_dir": 'a"b'}), "python", [], "t")
