@@ -46,8 +46,8 @@ LOG_DIR="$STATE/log"
 PID_DIR="$STATE/pid"
 SPOOL="$STATE/spool"
 
-# The processes `down` stops, in order: name of the pid file and the command name it must have
-# (checked so a stale pid file never makes us signal an unrelated process).
+# The daemons: name of the pid file, and the command name the process must have (checked, so that
+# a stale pid file never makes us signal an unrelated process).
 DAEMONS=(n1:slurmd n2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadbd:mariadbd munged:munged ns:sleep)
 
 die() { echo "dev-cluster: $*" >&2; exit 1; }
@@ -100,14 +100,19 @@ stop_pids() {
     done
 }
 
-# Waits up to SECS seconds for COMMAND to succeed; prints WHAT and fails on timeout.
+# Waits up to SECS seconds for COMMAND to succeed; on timeout says what it waited for, shows the
+# command's last output, and fails.
 wait_for() {
-    local secs="$1" what="$2"
+    local secs="$1" what="$2" out
     shift 2
     local deadline=$((SECONDS + secs))
-    until "$@" >/dev/null 2>&1; do
-        ((SECONDS < deadline)) || { say "timed out after ${secs} s waiting for $what"; return 1; }
-        sleep 0.2
+    until out="$("$@" 2>&1)"; do
+        if ((SECONDS >= deadline)); then
+            say "timed out after ${secs} s waiting for $what; the last try ($*) said:"
+            tail -n 5 <<<"$out" >&2
+            return 1
+        fi
+        sleep 0.1
     done
 }
 
@@ -217,7 +222,7 @@ SlurmdTimeout=60
 # Accounting through our slurmdbd (submitit's job.state and sacct need it). The "password" of the
 # slurmdbd connection is the munge socket to use, since ours is not the default one.
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
+AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$dbd_port
 AccountingStoragePass=$MUNGE_SOCK
 
@@ -289,14 +294,6 @@ start_namespace() {
     fi
 }
 
-load_ns() {
-    IN_NS=()
-    local pid
-    if [[ "$(cat "$STATE/hosts_mode" 2>/dev/null)" == namespace ]] && pid="$(live_pid ns sleep)"; then
-        IN_NS=(nsenter --target "$pid" --mount --)
-    fi
-}
-
 # Starts a program detached from this shell (setsid -f: it outlives us, its output goes to LOG,
 # and it does not hold our stdout open, so `x=$(dev-cluster.sh up)` returns).
 spawn() {
@@ -342,9 +339,8 @@ start_mariadb() {
 
 start_slurmdbd() {
     spawn "$LOG_DIR/slurmdbd.out" slurmdbd
+    # No "sacctmgr add cluster": slurmctld registers the cluster itself when it first connects.
     wait_for 30 slurmdbd sacctmgr -n list cluster || return 1
-    # Register the cluster before slurmctld first connects, so its records are kept from job 1.
-    sacctmgr -i add cluster "$CLUSTER" >/dev/null
 }
 
 start_slurmctld() {
@@ -368,9 +364,12 @@ nodes_idle() {
     [[ "$states" == "$(printf '%s idle\n' "${NODES[@]}")" ]]
 }
 
-sacct_ok() {  # sacct answers without complaint (it only warns when slurmdbd is unreachable)
+# slurmctld has registered the cluster with slurmdbd, and sacct answers without complaint (it
+# only warns when slurmdbd is unreachable).
+accounting_ok() {
     local err
-    err="$(sacct -n -X -o JobID 2>&1 >/dev/null)" && [[ -z "$err" ]]
+    sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER" &&
+        err="$(sacct -n -X -o JobID 2>&1 >/dev/null)" && [[ -z "$err" ]]
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +432,9 @@ cmd_up() {
         print_up
         return 0
     fi
-    if [[ -e "$STATE" ]]; then
+    # (An empty folder, e.g. from mktemp -d, is simply used.)
+    if [[ -e "$STATE" && ! (-d "$STATE" && -z "$(ls -A "$STATE")") ]]; then
+        [[ -f "$STATE/$MARKER" ]] || die "$STATE exists and was not made by this script; set DEV_CLUSTER_DIR"
         say "cleaning up a stopped or half-started cluster in $STATE"
         cmd_down >/dev/null
     fi
@@ -456,7 +457,7 @@ cmd_up() {
 
     start_namespace
     if ! { start_munge && start_mariadb "${ports[2]}" "$db_pass" && start_slurmdbd &&
-        start_slurmctld && start_slurmd && wait_for 20 "sacct" sacct_ok; }; then
+        start_slurmctld && start_slurmd && wait_for 20 "accounting" accounting_ok; }; then
         local f
         for f in "$LOG_DIR"/*; do
             [[ -s "$f" ]] && { echo "==> $f <==" >&2; tail -n 15 "$f" >&2; }
@@ -483,7 +484,6 @@ EOF
 # Stops every process of the cluster; keeps the state folder.
 stop_all() {
     local d pid pids=() left=()
-    load_ns
     # Cancel jobs first so slurmstepd and job processes end cleanly (and in /etc/hosts mode,
     # where there is no namespace to sweep, at all).
     if live_pid slurmctld slurmctld >/dev/null; then

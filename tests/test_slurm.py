@@ -1,0 +1,131 @@
+"""Against a real Slurm (the dev cluster): submitit and sbatch launches, preemption, requeue.
+
+CI starts the cluster (.ci/run); locally `make dev-cluster` does. Under CI=true these tests must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, SMALL
+
+SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict[str, str]:
+    """The environment that talks to the dev cluster, or a skip (a failure under CI) when it is down."""
+    proc = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True)
+    status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
+    if proc.returncode or status.returncode:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the dev cluster is not up under CI: {status.stdout}{status.stderr}")
+        pytest.skip("dev cluster is down: `make dev-cluster` starts it")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if m:
+            env[m.group(1)] = subprocess.run(["bash", "-c", f"printf %s {m.group(2)}"], capture_output=True,
+                                             text=True).stdout
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def sh(cmd: list[str], env: dict[str, str], timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def job_id_of(out: str) -> str:
+    m = re.search(r"submitted job (\d+)", out)
+    assert m, out
+    return m.group(1)
+
+
+def wait_for(pred, timeout: float = 180, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def job_state(job: str, env: dict[str, str]) -> str:
+    out = sh(["sacct", "-j", job, "-X", "-n", "-P", "--format=State"], env).stdout.split()
+    return out[-1] if out else ""
+
+
+def cluster_cmd(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return sh([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", *args], env, timeout)
+
+
+def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
+    proc = sh(["make", "submit", "NODES=2", "CLUSTER=dev", "WAIT=1", f"ARGS={' '.join(SMALL)}"], slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = re.findall(r"rank (\d): world size (\d), parameter checksum (\w+)", proc.stdout)
+    assert [r[0] for r in ranks] == ["0", "1"] and {r[1] for r in ranks} == {"2"}
+    assert ranks[0][2] == ranks[1][2]
+    logs = re.search(r"logs:\s+(\S+)", proc.stdout)
+    assert logs
+    rank0 = Path(logs.group(1))
+    rank1 = Path(str(rank0).replace("_0_log.out", "_1_log.out"))
+    assert "done: test accuracy" in rank0.read_text()
+    assert "epoch" not in rank1.read_text() and "done:" not in rank1.read_text()  # only rank 0 speaks
+
+
+def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, f"run.dir={run}"], slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((run / "result.json").read_text())
+    assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1
+
+
+def _slow_job(slurm_env: dict[str, str], run: Path, launcher: str, extra: list[str]) -> str:
+    args = [*SMALL, "train.epochs=2", "debug.step_delay_s=0.3", f"run.dir={run}", *extra]
+    proc = cluster_cmd(["--launcher", launcher, "--", *args], slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return job_id_of(proc.stdout)
+
+
+def _reference(slurm_env: dict[str, str], tmp_path: Path, extra: list[str]) -> str:
+    ref = tmp_path / "ref"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, "train.epochs=2", f"run.dir={ref}", *extra],
+                       slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((ref / "result.json").read_text())["param_checksums"][0]
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
+def test_preemption_signal_saves_requeues_and_matches_an_uninterrupted_run(
+        slurm_env: dict[str, str], tmp_path: Path, launcher: str) -> None:
+    run = tmp_path / "run"
+    job = _slow_job(slurm_env, run, launcher, [])
+    wait_for(lambda: (run / "config.yaml").exists() and job_state(job, slurm_env) == "RUNNING", what="start")
+    time.sleep(4)  # some steps in
+    assert sh(["scancel", "--signal=USR2", job], slurm_env).returncode == 0
+    wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued run to finish")
+    wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=60, what="COMPLETED")
+    result = json.loads((run / "result.json").read_text())
+    assert result["resumed_from"], result
+    assert len(set(result["param_checksums"])) == 1
+    assert result["param_checksums"][0] == _reference(slurm_env, tmp_path, [])
+    restarts = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    assert len(restarts) == 2, restarts  # one requeue: the first attempt, then the finished one
+
+
+def test_scontrol_requeue_without_warning_resumes_from_a_periodic_checkpoint(
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    job = _slow_job(slurm_env, run, "sbatch", ["checkpoint.every_steps=3"])
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), what="a periodic checkpoint")
+    assert sh(["scontrol", "requeue", job], slurm_env).returncode == 0
+    wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued run to finish")
+    result = json.loads((run / "result.json").read_text())
+    assert result["resumed_from"] and result["global_step"] == 32  # 2 epochs of 16 steps
