@@ -12,7 +12,7 @@ LAUNCHER ?= submitit
 DRY_RUN ?=
 WAIT ?=
 
-.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down
+.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,11 @@ dev-cluster:  ## start a real 2-node Slurm (with accounting) on this machine (ro
 
 dev-cluster-down:  ## stop the dev cluster and remove its state
 	bash slurm/dev-cluster.sh down
+
+RUNS ?= runs
+sync: venv  ## upload offline W&B runs (from a login node with internet): RUNS=runs
+	@runs=$$(find $(RUNS) -maxdepth 4 -path '*/wandb/offline-run-*' -type d 2>/dev/null); \
+	if [ -z "$$runs" ]; then echo "no offline W&B runs under $(RUNS)"; else $(BIN)/wandb sync $$runs; fi
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

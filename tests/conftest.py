@@ -22,6 +22,7 @@ SMALL = [
     "train.epochs=1",
     "optim.warmup_steps=2",
     "train.log_every=8",
+    "tracking.mode=disabled",
 ]
 
 

@@ -122,6 +122,22 @@ class RunConfig:
 
 
 @dataclass
+class TrackingConfig:
+    mode: str = "auto"
+    """W&B: online, offline (sync later with `make sync`), disabled, or auto (offline without a key or a route out)."""
+    project: str = "slurm-ddp-trainer"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); default: the key's default entity."""
+    group: str | None = None
+    """Run group; default: the Slurm array job id (a sweep), else the Slurm job name."""
+    tags: list[str] = field(default_factory=list)
+    """Extra tags; Slurm job id, node and process counts are added."""
+    dir: str | None = None
+    """Folder W&B writes into; default: the run folder."""
+
+
+@dataclass
 class DebugConfig:
     preempt_at_step: int = -1
     """Testing: behave as if the preemption signal arrived during this micro-step (-1: never)."""
@@ -147,6 +163,8 @@ class Config:
     """Checkpoints and preemption."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run folder."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Weights & Biases run tracking (rank 0 only)."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Hooks for tests; leave alone."""
 
@@ -159,6 +177,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "dist.backend": ("auto", "nccl", "gloo"),
+    "tracking.mode": ("auto", "online", "offline", "disabled"),
 }
 
 POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test_size", "data.image_size",

@@ -45,6 +45,41 @@ class DistEnv:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class JobInfo:
+    """What the scheduler says about the job as a whole (for run names, tags and tracking)."""
+
+    job_name: str | None
+    array_job_id: str | None
+    array_task_id: str | None
+    restart_count: int
+    gpus_on_node: int
+    wandb_key: bool
+    """Whether a W&B API key is available (environment or netrc); the key itself is never read."""
+
+
+def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
+    """Job-level facts from Slurm's variables, and whether W&B has credentials."""
+    env = os.environ if environ is None else environ
+    key = bool(env.get("WANDB_API_KEY"))
+    if not key:
+        try:
+            import netrc
+
+            path = env.get("NETRC") or os.path.join(env.get("HOME", "~"), ".netrc")
+            key = netrc.netrc(os.path.expanduser(path)).authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            key = False
+    return JobInfo(
+        job_name=env.get("SLURM_JOB_NAME"),
+        array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
+        array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
+        restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+        gpus_on_node=int(env.get("SLURM_GPUS_ON_NODE") or 0),
+        wandb_key=key,
+    )
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand a Slurm hostlist such as ``gpu-[01-03,10],cpu7`` (same order as ``scontrol show hostnames``)."""
     try:

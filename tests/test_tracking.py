@@ -1,0 +1,73 @@
+"""W&B in offline mode, checked through the files it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .conftest import SMALL, ok, result_of, run_trainer, spawn_ranks
+from .wandb_records import summary
+
+OFFLINE = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline", "train.log_every=4"]
+
+
+def run_files(run: Path) -> list[Path]:
+    return sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_two_processes_make_one_offline_run_with_config_metrics_and_summary(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*OFFLINE, f"run.dir={run}"], tmp_path, nproc=2))
+    files = run_files(run)
+    assert len(files) == 1 and len(list(run.glob("wandb/offline-run-*"))) == 1
+    rec = summary(files[0])
+    assert rec["run_id"] == json.loads((run / "tracking.json").read_text())["run_id"] == result_of(run)["tracking_run_id"]
+    assert rec["config"]["optim"]["lr"] == 0.05 and rec["config"]["data"]["name"] == "synthetic"
+    steps = sorted(rec["history"])
+    assert steps[0] == 4 and steps[-1] == 16
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/step_time_s"} <= set(rec["history"][4])
+    assert "eval/accuracy" in rec["history"][16]
+    assert rec["summary"]["test/accuracy"] == result_of(run)["test_accuracy"]
+    assert proc.stdout.count("tracking: W&B offline run") == 1  # rank 0 only
+
+
+def test_auto_without_a_key_is_offline(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [a for a in OFFLINE if a != "tracking.mode=offline"]
+    proc = ok(run_trainer([*args, f"run.dir={run}"], tmp_path, env={"WANDB_API_KEY": "", "HOME": str(tmp_path)}))
+    assert "W&B offline run" in proc.stdout and len(run_files(run)) == 1
+
+
+def test_restarts_continue_one_run_with_increasing_steps(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*OFFLINE, "train.epochs=2", f"run.dir={run}"]
+    for preempt_at in (6, 9):  # two preemptions, then the run finishes: three processes in all
+        ranks = spawn_ranks([*args, f"debug.preempt_at_step={preempt_at}"], tmp_path)
+        outs = [p.communicate(timeout=180)[0] for p in ranks]
+        assert [p.returncode for p in ranks] == [75, 75], outs
+    ranks = spawn_ranks(args, tmp_path)
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    files = run_files(run)
+    assert len(files) == 3  # offline W&B opens a folder per process start; `wandb sync` merges them
+    runs = [summary(f) for f in files]
+    assert len({r["run_id"] for r in runs}) == 1
+    steps = [s for r in runs for s in sorted(r["history"])]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)), steps
+    assert steps[-1] == 32
+
+
+def test_disabled_writes_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path))
+    assert not (run / "wandb").exists() and not (run / "tracking.json").exists()
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_broken_wandb_warns_and_training_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*OFFLINE, f"run.dir={run}", f"tracking.dir={blocker}/wandb"], tmp_path))
+    assert "W&B tracking disabled after an error" in proc.stderr
+    assert result_of(run)["global_step"] == 32  # trained to the end
