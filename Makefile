@@ -12,7 +12,12 @@ LAUNCHER ?= submitit
 DRY_RUN ?=
 WAIT ?=
 
-.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync
+IMAGE ?= slurm-ddp-trainer:latest
+BASE_IMAGE ?=
+SIF ?= slurm-ddp-trainer.sif
+IMAGE_TAR ?=
+
+.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync docker sif
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -49,6 +54,16 @@ RUNS ?= runs
 sync: venv  ## upload offline W&B runs (from a login node with internet): RUNS=runs
 	@runs=$$(find $(RUNS) -maxdepth 4 -path '*/wandb/offline-run-*' -type d 2>/dev/null); \
 	if [ -z "$$runs" ]; then echo "no offline W&B runs under $(RUNS)"; else $(BIN)/wandb sync $$runs; fi
+
+docker:  ## build the training image with docker or podman: IMAGE=name:tag BASE_IMAGE=…
+	@engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: ENGINE: neither docker nor podman is installed" \
+		"HINT: install one, or start a private engine: bash containers/engine.sh up && eval \"\$$(bash containers/engine.sh env)\"" >&2; exit 2; }; \
+	set -x; "$$engine" build -f containers/Dockerfile $(if $(BASE_IMAGE),--build-arg BASE_IMAGE='$(BASE_IMAGE)') -t '$(IMAGE)' .
+
+sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `docker save`, when there is no daemon)
+	@command -v apptainer >/dev/null || { printf '%s\n' "error: SIF: apptainer is not installed" \
+		"HINT: build on a machine with apptainer (most HPC login nodes), from IMAGE_TAR=… made with \`docker save\`" >&2; exit 2; }
+	$(if $(IMAGE_TAR),apptainer build --build-arg BOOTSTRAP=docker-archive --build-arg SOURCE='$(IMAGE_TAR)',apptainer build --build-arg SOURCE='$(IMAGE)') '$(SIF)' containers/trainer.def
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

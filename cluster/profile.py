@@ -136,6 +136,10 @@ def validate(p: Profile) -> None:
                    "container: {runtime: none}")
     if p.container.runtime != "none" and not p.container.image:
         raise _err("container.image", f"is required with runtime {p.container.runtime}", "e.g. image: trainer.sif")
+    for mount in p.container.mounts:
+        if not re.fullmatch(r"[A-Za-z0-9._/@+=-]+(:[A-Za-z0-9._/@+=-]+)?(:ro|:rw)?", mount):
+            raise _err("container.mounts", f"{mount!r} is not a plain HOST[:CONTAINER] path",
+                       "use absolute paths without spaces, quotes or commas, e.g. /data:/data")
     for name in p.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise _err(f"env.{name}", "is not a valid variable name", "use letters, digits and '_'")

@@ -8,6 +8,7 @@ by the profile (names) or quoted here (paths). The same renderer writes the hand
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from cluster.profile import Profile
 from trainer.env import PORT_BASE, PORT_SPAN
@@ -48,24 +49,46 @@ def _sbatch_path(path: str) -> str:
     return f'"{path}"' if any(c in path for c in " \t'$;&|<>()`\\") else path
 
 
+DOCKER_TASK = Path(__file__).resolve().parent.parent / "containers" / "docker-task.sh"
+
+
+def container_prefix(p: Profile) -> str:
+    """What goes between ``srun …`` and ``python3 …`` so each task runs inside the profile's image.
+
+    The run folder (``$RUN_DIR``, made absolute before) and the working folder are mounted at the same
+    paths, so checkpoints, logs and the requeue marker land on the host, where the requeue rule reads them.
+    """
+    c = p.container
+    image = shlex.quote(c.image or "")
+    mounts = c.mounts  # checked by the profile: no characters the shell treats specially
+    if c.runtime == "apptainer":
+        nv = "--nv " if p.gpus_per_node else ""
+        return f'apptainer exec {nv}--bind "{",".join(["$PWD", "$RUN_DIR", *mounts])}" {image}'
+    if c.runtime == "pyxis":
+        binds = ",".join(["$PWD:$PWD", "$RUN_DIR:$RUN_DIR", *mounts])
+        return f'--container-image={image} --container-mounts="{binds}" --container-workdir="$PWD"'
+    if c.runtime == "docker":
+        vols = " ".join(f"-v {m}" for m in mounts)
+        return f'{shlex.quote(str(DOCKER_TASK))} -v "$RUN_DIR:$RUN_DIR" {vols + " " if vols else ""}-- {image}'
+    return ""
+
+
 def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
-    trainer = " ".join(shlex.quote(a) for a in ["-m", "trainer", *args]) + ' run.dir="$RUN_DIR" "$@"'
-    py = shlex.quote(python)
-    if p.container.runtime != "none":
-        raise UserError("profile.container.runtime", f"{p.container.runtime} launches are not available in this version",
-                        "use container: {runtime: none} for now")
+    inside = container_prefix(p)
+    py = "python3" if inside else shlex.quote(python)
+    srun = "srun --kill-on-bad-exit=1" + (f" {inside}" if inside else "")
+    overrides = "".join(f" {shlex.quote(a)}" for a in args) + ' run.dir="$RUN_DIR" "$@"'
     if p.launch == "srun":
-        trainer = f"{' '.join(trainer.split(' ')[:2])} checkpoint.signal=SIG{p.signal} {' '.join(trainer.split(' ')[2:])}"
-        return [f"srun --kill-on-bad-exit=1 {py} {trainer}"]
+        return [f"{srun} {py} -m trainer checkpoint.signal=SIG{p.signal}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/env.py does.
     return [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
-        f"srun --kill-on-bad-exit=1 {py} -m torch.distributed.run \\",
+        f"{srun} {py} -m torch.distributed.run \\",
         f'    --nnodes="$SLURM_NNODES" --nproc-per-node={p.ntasks_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \\',
-        f"    {trainer}",
+        f"    -m trainer{overrides}",
     ]
 
 
@@ -83,6 +106,8 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
         f'RUN_DIR="${{RUN_DIR:-{default_dir}}}"' if not run_dir else f"RUN_DIR=${{RUN_DIR:-{default_dir}}}",
         "",
+        *(['mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path']
+          if p.container.runtime != "none" else []),
         "rc=0",
         *launch[:-1],
         launch[-1] + " || rc=$?",

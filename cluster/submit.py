@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.profile import Profile
-from cluster.render import render_sbatch
+from cluster.render import container_prefix, render_sbatch
 from cluster.task import TrainTask
 from trainer.config import load as load_train_config
 from trainer.errors import UserError
@@ -40,8 +40,17 @@ def executor(p: Profile) -> Any:
     import submitit
 
     folder = Path(p.log_dir) / "%j"
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=p.max_requeues)
+    inside = container_prefix(p)
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=p.max_requeues,
+                               slurm_python=f"{inside} python3" if inside else python_for(p))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
+    teardown: list[str] = []
+    if inside:
+        # The task runs in the image, where scontrol usually is not: the batch shell requeues instead.
+        setup += ['export RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"',
+                  'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)']
+        teardown = [f'if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then',
+                    '  scontrol requeue "$SLURM_JOB_ID"', "fi"]
     params: dict[str, Any] = {
         "name": p.job_name,
         "nodes": p.nodes,
@@ -53,6 +62,8 @@ def executor(p: Profile) -> Any:
         "slurm_setup": setup,
         "slurm_additional_parameters": {"requeue": True},
     }
+    if teardown:
+        params["slurm_teardown"] = teardown
     if p.gpus_per_node:
         params["gpus_per_node"] = p.gpus_per_node
     if p.mem_per_task_gb:
@@ -66,10 +77,8 @@ def executor(p: Profile) -> Any:
 
 def submitit_script(p: Profile, args: list[str]) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
-    ex = executor(p)
-    inner = ex._executor
-    command = " ".join(shlex.quote(c) for c in inner._submitit_command_str.split())
-    return str(inner._make_submission_file_text(command, "<uid>"))
+    inner = executor(p)._executor
+    return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
 def check_slurm() -> None:
@@ -81,9 +90,6 @@ def check_slurm() -> None:
 
 def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool) -> int:
     """Submit (or with dry_run print) one training job; with wait, block and report the result."""
-    if p.container.runtime != "none":
-        raise UserError("profile.container.runtime", f"{p.container.runtime} launches are not available in this version",
-                        "use container: {runtime: none} for now")
     load_train_config([a for a in args if not a.startswith("run.dir=")])  # bad overrides fail here, not on the cluster
     if launcher not in ("submitit", "sbatch"):
         raise UserError("LAUNCHER", f"must be submitit or sbatch, got {launcher!r}", "LAUNCHER=sbatch or leave it unset")

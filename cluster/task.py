@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from typing import Any
@@ -22,8 +23,11 @@ class TrainTask(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         from trainer.__main__ import run
 
+        args = self.args
+        if os.environ.get("RUN_DIR") and not any(a.startswith("run.dir=") for a in args):
+            args = [*args, f"run.dir={os.environ['RUN_DIR']}"]  # the folder the batch shell watches (containers)
         try:
-            result = run(self.args)
+            result = run(args)
         except UserError as err:  # shown by job.result() on the submitting side, without a deep traceback
             raise RuntimeError(err.render()) from None
         if result["exit_code"] != EXIT_REQUEUE:
@@ -36,7 +40,8 @@ class TrainTask(submitit.helpers.Checkpointable):
             if restarts >= self.max_requeues:
                 raise RuntimeError(f"checkpoint saved, but not requeued: {restarts} requeues done (max_requeues)")
             handler = signal.getsignal(signal.SIGUSR2)
-            if callable(handler):
+            # Inside an image without scontrol, the batch script's teardown requeues (it sees requeue.json).
+            if callable(handler) and shutil.which("scontrol"):
                 handler(signal.SIGUSR2, None)
         # Leaving without a result keeps the client waiting for the requeued run's result.
         sys.exit(EXIT_REQUEUE)

@@ -18,6 +18,15 @@ from trainer.errors import UserError
 
 Source = Literal["torchrun", "slurm", "single"]
 
+TRAINER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES",
+    "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
+    "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
+    "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
+)
+"""Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
+
 PORT_BASE = 15000
 """Derived ports lie in [15000, 30000): below Linux's ephemeral range (32768+) so a port picked
 from the job id does not collide with outgoing connections, and distinct for concurrent jobs."""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One Slurm task inside Docker (or podman): `srun containers/docker-task.sh [DOCKER_RUN_OPTION...] -- IMAGE CMD...`
+# (options such as `-v /data:/data`; CONTAINER_ENGINE=podman switches the engine).
+# Docker's containers escape Slurm's process tracking (scancel would leave them running), so this
+# wrapper names its container, forwards Slurm's signals into it, and removes it however it ends.
+set -euo pipefail
+opts=()
+while [[ $# -gt 0 && $1 != -- ]]; do opts+=("$1"); shift; done
+[[ $# -ge 2 ]] || { echo "usage: $0 [docker run options] -- IMAGE CMD..." >&2; exit 2; }
+shift
+image=$1
+shift
+engine=${CONTAINER_ENGINE:-docker}
+name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-0}-${SLURM_PROCID:-0}"
+
+# What the trainer reads to find its place (trainer/env.py TRAINER_VARIABLES; a test keeps the lists equal),
+# plus what NCCL, CUDA and W&B need. `-e NAME` copies the value from here without writing it down.
+vars=(RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID
+      SLURM_PROCID SLURM_LOCALID SLURM_NTASKS SLURM_NODEID SLURM_NNODES SLURM_JOB_NODELIST SLURM_STEP_NODELIST
+      SLURM_STEP_NUM_NODES SLURM_JOB_ID SLURM_STEP_ID SLURM_NTASKS_PER_NODE SLURM_STEP_TASKS_PER_NODE
+      SLURM_TASKS_PER_NODE SLURM_JOB_NAME SLURM_ARRAY_JOB_ID SLURM_ARRAY_TASK_ID SLURM_RESTART_COUNT
+      SLURM_GPUS_ON_NODE WANDB_API_KEY
+      WANDB_MODE WANDB_PROJECT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS PYTHONUNBUFFERED RUN_DIR)
+env_args=()
+for v in "${vars[@]}"; do
+    if [[ -n ${!v+x} ]]; then env_args+=(-e "$v"); fi
+done
+while IFS= read -r v; do env_args+=(-e "$v"); done < <(compgen -e | grep -E '^(NCCL_|SUBMITIT_)' || true)
+gpu_args=()
+if [[ -n ${SLURM_GPUS_ON_NODE:-} && ${SLURM_GPUS_ON_NODE:-0} != 0 ]]; then gpu_args=(--gpus all); fi
+
+# The working folder is mounted at the same path, so relative run folders and logs land on the host.
+"$engine" run --rm --init --name "$name" --network host --ipc=host "${gpu_args[@]}" \
+    --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$PWD:$PWD" -w "$PWD" "${opts[@]}" \
+    "${env_args[@]}" --entrypoint "" "$image" "$@" &
+child=$!
+
+# shellcheck disable=SC2317  # called from traps
+forward() { "$engine" kill --signal="$1" "$name" >/dev/null 2>&1 || true; }
+# shellcheck disable=SC2317
+cleanup() { "$engine" rm -f "$name" >/dev/null 2>&1 || true; }
+trap 'forward USR1' USR1
+trap 'forward USR2' USR2
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap cleanup EXIT
+
+# `wait` returns early when a trapped signal arrives: keep waiting until the container has gone.
+rc=0
+while kill -0 "$child" 2>/dev/null; do
+    wait "$child" || rc=$?
+done
+exit "$rc"

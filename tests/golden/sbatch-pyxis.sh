@@ -1,0 +1,33 @@
+#!/bin/bash
+# rendered from profile 'dev' by `python -m cluster submit`
+#SBATCH --job-name=train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
+# SITE
+#SBATCH --partition=dev
+#SBATCH --signal=USR2@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=runs/slurm/%x-%j.out
+set -euo pipefail
+
+export OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1
+RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path
+rc=0
+srun --kill-on-bad-exit=1 --container-image=img:1 --container-mounts="$PWD:$PWD,$RUN_DIR:$RUN_DIR,/data:/data" --container-workdir="$PWD" python3 -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
+
+# Exit 75 (or the marker, when torchrun's agent hides the code): saved after a signal.
+if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
+  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
+    exit 0
+  fi
+  echo "not requeueing: 3 requeues done" >&2
+fi
+exit "$rc"

@@ -1,0 +1,30 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=1
+#SBATCH --error=<cwd>/runs/slurm/%j/%j_0_log.err
+#SBATCH --job-name=train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --open-mode=append
+#SBATCH --output=<cwd>/runs/slurm/%j/%j_0_log.out
+#SBATCH --partition=dev
+#SBATCH --requeue
+#SBATCH --signal=USR2@30
+#SBATCH --time=10
+#SBATCH --wckey=submitit
+
+# setup
+export OMP_NUM_THREADS=1
+export RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/slurm/%j/%j_%t_log.err --kill-on-bad-exit=1 --container-image=img:1 --container-mounts="$PWD:$PWD,$RUN_DIR:$RUN_DIR,/data:/data" --container-workdir="$PWD" python3 -u -m submitit.core._submit <cwd>/runs/slurm/%j
+
+
+# teardown
+if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+  scontrol requeue "$SLURM_JOB_ID"
+fi

