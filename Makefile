@@ -17,7 +17,9 @@ BASE_IMAGE ?=
 SIF ?= slurm-ddp-trainer.sif
 IMAGE_TAR ?=
 
-.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync docker sif
+REPEATS ?= 3
+
+.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync docker sif bench
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -64,6 +66,9 @@ sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `doc
 	@command -v apptainer >/dev/null || { printf '%s\n' "error: SIF: apptainer is not installed" \
 		"HINT: build on a machine with apptainer (most HPC login nodes), from IMAGE_TAR=… made with \`docker save\`" >&2; exit 2; }
 	$(if $(IMAGE_TAR),apptainer build --build-arg BOOTSTRAP=docker-archive --build-arg SOURCE='$(IMAGE_TAR)',apptainer build --build-arg SOURCE='$(IMAGE)') '$(SIF)' containers/trainer.def
+
+bench: venv  ## measure scaling, trainer vs a bare loop, checkpoint cost, launch overhead → docs/benchmarks.md
+	$(BIN)/python -m benchmarks.bench --repeats $(REPEATS)
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

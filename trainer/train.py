@@ -242,6 +242,7 @@ class Trainer:
                 loss = F.cross_entropy(self.net(x).float(), y) / window
             self.scaler.scale(loss).backward()
             self.meter.add(loss.item() * window, x.shape[0] * self.env.world_size)
+            self.samples_seen += x.shape[0] * self.env.world_size
             self.micro += 1
             if self.micro == self.cfg.debug.preempt_at_step + 1:  # test hook: as if the signal arrived now
                 self.preemption.signum = getattr(signal, self.cfg.checkpoint.signal)
@@ -268,8 +269,9 @@ class Trainer:
         global_batch = cfg.data.batch_size * env.world_size * cfg.optim.grad_accum
         say(env, f"run {self.run_dir} | {env.world_size} process(es) via {env.source} on {self.device.type} | "
                  f"{cfg.model.name} on {cfg.data.name} | global batch {global_batch} | {self.total_steps} steps")
-        self.meter, self.micro = Meter(), 0
+        self.meter, self.micro, self.samples_seen = Meter(), 0, 0
         bar = _progress_bar(env, self.total_steps, p.global_step)
+        started, eval_time, first_step_at = time.perf_counter(), 0.0, None
         last_save_time = time.monotonic()
         scores: tuple[float, float] | None = None  # test loss and accuracy after the last finished epoch
         self.net.train()
@@ -282,6 +284,7 @@ class Trainer:
                 self.train_window(batches, window)
                 p.batches_in_epoch += window
                 p.global_step += 1
+                first_step_at = first_step_at or time.time()
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
                 self.report(bar)
@@ -302,9 +305,12 @@ class Trainer:
                     last_save_time = time.monotonic()
                 if p.batches_in_epoch == 0:
                     break
+            t_eval = time.perf_counter()
             scores = self.evaluate()
+            eval_time += time.perf_counter() - t_eval
             self.tracker.log({"eval/loss": scores[0], "eval/accuracy": scores[1], "epoch": p.epoch}, p.global_step)
             say(env, f"\nepoch {p.epoch}/{cfg.train.epochs}: test loss {scores[0]:.4f}, accuracy {100 * scores[1]:.2f}%")
+        train_time = time.perf_counter() - started - eval_time
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
@@ -327,6 +333,9 @@ class Trainer:
             "rank": env.rank,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "tracking_run_id": self.tracker.run_id,
+            "train_time_s": train_time,  # the training loop alone: evaluation excluded, this process's start-up too
+            "train_samples_per_s": self.samples_seen / max(1e-9, train_time),
+            "first_step_at": first_step_at,  # wall-clock time.time() when the first optimizer step ended
         }
         if env.is_main:
             ckpt.write_atomic(self.run_dir / "result.json", json.dumps(result, indent=1).encode())

@@ -1,0 +1,56 @@
+"""The tutorials' hand-written DDP loop, kept as the baseline for `make bench` (run it with torchrun).
+
+Same model, data and batch as the trainer's default; nothing else: no accumulation, AMP, checkpoints,
+evaluation or signal handling. Rank 0 prints one JSON line with its training throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from trainer.config import load
+from trainer.data import synthetic
+from trainer.models import SmallCNN
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=32)
+parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--train-size", type=int, default=8192)
+parser.add_argument("--lr", type=float, default=0.05)
+a = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+data = synthetic(load([f"data.synthetic_train_size={a.train_size}"])).train
+sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler)
+model = DDP(SmallCNN(1, 10, 28))
+opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+first_step_at = None
+start = time.perf_counter()
+samples = 0
+for epoch in range(a.epochs):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        samples += x.shape[0] * world
+        first_step_at = first_step_at or time.time()
+elapsed = time.perf_counter() - start
+if rank == 0:
+    print(json.dumps({"train_time_s": elapsed, "train_samples_per_s": samples / elapsed, "first_step_at": first_step_at,
+                      "world_size": world, "pid": os.getpid()}))
+dist.destroy_process_group()
