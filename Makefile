@@ -60,7 +60,7 @@ sync: venv  ## upload offline W&B runs (from a login node with internet): RUNS=r
 docker:  ## build the training image with docker or podman: IMAGE=name:tag BASE_IMAGE=…
 	@engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: ENGINE: neither docker nor podman is installed" \
 		"HINT: install one, or start a private engine: bash containers/engine.sh up && eval \"\$$(bash containers/engine.sh env)\"" >&2; exit 2; }; \
-	set -x; "$$engine" build -f containers/Dockerfile $(if $(BASE_IMAGE),--build-arg BASE_IMAGE='$(BASE_IMAGE)') -t '$(IMAGE)' .
+	set -x; "$$engine" build --network host -f containers/Dockerfile $(if $(BASE_IMAGE),--build-arg BASE_IMAGE='$(BASE_IMAGE)') -t '$(IMAGE)' .
 
 sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `docker save`, when there is no daemon)
 	@command -v apptainer >/dev/null || { printf '%s\n' "error: SIF: apptainer is not installed" \

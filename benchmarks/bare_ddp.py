@@ -53,4 +53,5 @@ elapsed = time.perf_counter() - start
 if rank == 0:
     print(json.dumps({"train_time_s": elapsed, "train_samples_per_s": samples / elapsed, "first_step_at": first_step_at,
                       "world_size": world, "pid": os.getpid()}))
+dist.barrier()  # without it, gloo may abort when one rank tears down while the other is still in a collective
 dist.destroy_process_group()

@@ -196,3 +196,12 @@ def test_a_dead_rank_makes_the_other_exit_nonzero_within_the_timeout(tmp_path: P
     out = ranks[0].communicate(timeout=90)[0]
     assert ranks[0].returncode not in (0, None), out
     assert time.monotonic() - start < 20 + 30, out
+
+
+def test_unresolvable_master_addr_fails_fast_and_clearly(tmp_path: Path) -> None:
+    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}"], tmp_path, env={"MASTER_ADDR": "no-such-host.invalid"})
+    start = time.monotonic()
+    outs = [p.communicate(timeout=60)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], outs
+    assert "error: MASTER_ADDR: host 'no-such-host.invalid' does not resolve" in outs[0] and "HINT:" in outs[0]
+    assert time.monotonic() - start < 30

@@ -57,8 +57,8 @@ def wait_for(pred, timeout: float = 180, what: str = "") -> None:  # type: ignor
 
 
 def job_state(job: str, env: dict[str, str]) -> str:
-    out = sh(["sacct", "-j", job, "-X", "-n", "-P", "--format=State"], env).stdout.split()
-    return out[-1] if out else ""
+    lines = sh(["sacct", "-j", job, "-X", "-n", "-P", "--format=State"], env).stdout.strip().splitlines()
+    return lines[-1].split()[0] if lines else ""  # "CANCELLED by 0" → "CANCELLED"
 
 
 def cluster_cmd(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -79,12 +79,22 @@ def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     assert "epoch" not in rank1.read_text() and "done:" not in rank1.read_text()  # only rank 0 speaks
 
 
-def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, launch: str) -> None:
     run = tmp_path / "run"
-    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, f"run.dir={run}"], slurm_env)
+    env = {**slurm_env, "WANDB_API_KEY": "secret-key-7f3a"}  # must never reach a script or a log
+    args = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=auto"]
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--set", f"launch={launch}", "--", *args, f"run.dir={run}"],
+                       env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((run / "result.json").read_text())
     assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1
+    log = ROOT / re.search(r"log:\s+(\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    text = log.read_text()
+    assert f"via {'torchrun' if launch == 'torchrun' else 'slurm'}" in text
+    for f in [log, *run.rglob("*")]:
+        if f.is_file():
+            assert b"secret-key-7f3a" not in f.read_bytes(), f
 
 
 def _slow_job(slurm_env: dict[str, str], run: Path, launcher: str, extra: list[str]) -> str:

@@ -21,7 +21,9 @@ def run(args: list[str]) -> dict[str, Any]:
     device = dist.pick_device(env, cfg.train.device)
     try:
         dist.setup(env, cfg, device)
-        return fit(cfg, env, device)
+        result = fit(cfg, env, device)
+        dist.barrier()  # no rank tears down while another is still in a collective (gloo may abort then)
+        return result
     finally:
         dist.teardown()
 

@@ -73,21 +73,48 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes | memoryview, delay_s: float = 0.0) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either its old content or all of the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        if delay_s:  # test hook: a kill here must leave the previous checkpoint intact
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(delay_s)
-            f.write(data[len(data) // 2:])
-        else:
-            f.write(data)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+class _Sink:
+    """A file object for torch.save that counts bytes and computes CRC-32 on the way to disk: no copy in memory."""
+
+    def __init__(self, f: Any, delay_s: float) -> None:
+        self.f, self.delay_s, self.size, self.crc = f, delay_s, 0, 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        n: int = self.f.write(data)
+        if self.delay_s:  # test hook: sleep with the file half-written; a kill now must leave older checkpoints intact
+            self.f.flush()
+            time.sleep(self.delay_s)
+            self.delay_s = 0.0
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_atomic(path: Path, obj: Any, delay_s: float = 0.0) -> tuple[int, int]:
+    """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, CRC-32)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        sink = _Sink(f, delay_s)
+        torch.save(obj, sink)  # type: ignore[arg-type]  # any object with write() will do
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return sink.size, sink.crc
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -153,14 +180,11 @@ class Checkpointer:
     def _commit(self, state: dict[str, Any], path: Path) -> None:
         for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
             stale.unlink(missing_ok=True)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = buf.getbuffer()  # a view, not a copy: checkpoints can be large
-        write_atomic(path, data, self.save_delay_s)
+        size, crc = save_atomic(path, state, self.save_delay_s)
         manifest = {
             "file": path.name,
-            "size": len(data),
-            "crc32": zlib.crc32(data),
+            "size": size,
+            "crc32": crc,
             "global_step": state["progress"]["global_step"],
             "epoch": state["progress"]["epoch"],
             "batches_in_epoch": state["progress"]["batches_in_epoch"],
@@ -168,7 +192,10 @@ class Checkpointer:
             "version": FORMAT_VERSION,
         }
         write_atomic(path.with_suffix(".json"), json.dumps(manifest, indent=1).encode())
-        write_atomic(self.folder / "latest", path.name.encode())
+        # A pointer for people and tools; resuming trusts the manifests, so it needs no fsync of its own.
+        latest = self.folder / ".latest.tmp"
+        latest.write_text(path.name)
+        os.replace(latest, self.folder / "latest")
         self._prune()
 
     def _prune(self) -> None:

@@ -29,8 +29,9 @@ class DataConfig:
     """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
     batch_size: int = 32
     """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum."""
-    num_workers: int = 1
-    """DataLoader worker processes per rank (0 loads in the training process)."""
+    num_workers: int = -1
+    """DataLoader worker processes per rank; 0 loads in the training process; -1 (auto): 0 for the in-memory
+    synthetic set, else up to 4, leaving each process's share of cores one core to compute on."""
     synthetic_train_size: int = 8192
     """Training samples of the synthetic data set."""
     synthetic_test_size: int = 2048
@@ -111,6 +112,8 @@ class CheckpointConfig:
     """Write periodic checkpoints in a background thread after a copy to host memory."""
     signal: str = "SIGUSR2"
     """Signal that asks for save-and-requeue (SIGTERM always does too)."""
+    poll_steps: int = 10
+    """Optimizer steps between the ranks' checks for a signal or a timed save (and at every epoch end)."""
 
 
 @dataclass
@@ -182,8 +185,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test_size", "data.image_size",
             "model.num_classes", "optim.lr", "optim.grad_accum", "train.epochs", "train.log_every",
-            "dist.timeout_s", "checkpoint.keep")
-NON_NEGATIVE = ("data.num_workers", "data.synthetic_noise", "optim.momentum", "optim.weight_decay",
+            "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
+NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
                 "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
                 "debug.save_delay_s", "debug.step_delay_s")
 
@@ -301,6 +304,8 @@ def validate(cfg: Config) -> None:
         v = _get(cfg, key)
         if not (v >= 0 and math.isfinite(v)):
             raise _err(key, f"must be >= 0, got {v}", f"pass zero or a positive number, e.g. {key}=0")
+    if cfg.data.num_workers < -1:
+        raise _err("data.num_workers", f"must be >= -1, got {cfg.data.num_workers}", "-1 (auto), 0, or a count")
     if cfg.data.name != "synthetic" and not cfg.data.root:
         raise _err("data.root", f"is required for data.name={cfg.data.name}",
                    "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +142,9 @@ def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device,
             ignore_signals: tuple[int, ...]) -> tuple[DataLoader, ResumableSampler, DataLoader]:  # type: ignore[type-arg]
     """Train loader (with its sampler, for ``start_epoch``) and evaluation loader."""
     workers = cfg.data.num_workers
+    if workers < 0:  # auto: worker processes only pay off when there is decoding or augmentation to do
+        per_process = max(1, (os.cpu_count() or 1) // env.local_world_size)
+        workers = 0 if cfg.data.name == "synthetic" else min(4, max(1, per_process - 1))
     common = dict(
         batch_size=cfg.data.batch_size,
         shuffle=False,  # the sampler shuffles

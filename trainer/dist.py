@@ -60,6 +60,11 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
     )
 
 
+def barrier() -> None:
+    """Wait for every rank."""
+    torch.distributed.barrier()
+
+
 def teardown() -> None:
     """Leave the process group (safe to call when none was made)."""
     if dist.is_available() and dist.is_initialized():

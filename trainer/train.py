@@ -291,16 +291,19 @@ class Trainer:
                 if p.batches_in_epoch >= n_batches:  # a finished epoch is saved as the next one's start
                     p.epoch, p.batches_in_epoch = p.epoch + 1, 0
 
-                # One small all-reduce per step tells every rank whether anyone was signalled and
-                # whether rank 0's clock says a timed save is due, so all ranks save together.
-                due = (cfg.checkpoint.every_minutes > 0 and env.is_main
-                       and time.monotonic() - last_save_time >= 60 * cfg.checkpoint.every_minutes)
-                flags = torch.tensor([self.preemption.signum, float(due)], device=self.device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                if flags[0].item():
-                    return self.preempted(signal.Signals(int(flags[0].item())), bar)
+                # Every poll_steps steps, one small all-reduce tells every rank whether anyone was signalled
+                # and whether rank 0's clock says a timed save is due, so all ranks save together.
+                signum, due = 0, False
+                if p.global_step % cfg.checkpoint.poll_steps == 0 or p.batches_in_epoch == 0:
+                    due = (cfg.checkpoint.every_minutes > 0 and env.is_main
+                           and time.monotonic() - last_save_time >= 60 * cfg.checkpoint.every_minutes)
+                    flags = torch.tensor([self.preemption.signum, float(due)], device=self.device)
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                    signum, due = int(flags[0].item()), bool(flags[1].item())
+                if signum:
+                    return self.preempted(signal.Signals(signum), bar)
                 every = cfg.checkpoint.every_steps
-                if (every and p.global_step % every == 0) or flags[1].item():
+                if (every and p.global_step % every == 0) or due:
                     self.save(blocking=not cfg.checkpoint.async_save)
                     last_save_time = time.monotonic()
                 if p.batches_in_epoch == 0:
