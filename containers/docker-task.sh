@@ -13,6 +13,13 @@ shift
 engine=${CONTAINER_ENGINE:-docker}
 name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-0}-${SLURM_PROCID:-0}"
 
+# A container's /etc/hosts is the engine's, not this node's: hand the trainer the first node's address.
+if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
+    head=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
+    MASTER_ADDR=$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}')
+    export MASTER_ADDR
+fi
+
 # What the trainer reads to find its place (trainer/env.py TRAINER_VARIABLES; a test keeps the lists equal),
 # plus what NCCL, CUDA and W&B need. `-e NAME` copies the value from here without writing it down.
 vars=(RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from trainer.config import ModelConfig
@@ -31,6 +30,8 @@ def build_model(cfg: ModelConfig, in_channels: int, image_size: int) -> nn.Modul
     """The configured network for images of ``in_channels`` × ``image_size``²."""
     if cfg.name == "cnn":
         return SmallCNN(in_channels, cfg.num_classes, image_size)
+    import torchvision  # only here: the small CNN runs on images that ship torch alone
+
     model = torchvision.models.resnet18(weights=None, num_classes=cfg.num_classes)
     if cfg.small_input_stem:
         model.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)

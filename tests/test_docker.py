@@ -1,0 +1,101 @@
+"""A real image: build containers/Dockerfile on a locally made base, train in it, and run a 2-node Slurm job
+with RUNTIME=docker. CI starts a private engine (containers/engine.sh); elsewhere these skip without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, SMALL
+from .test_slurm import cluster_cmd, job_id_of, job_state, slurm_env, wait_for
+
+__all__ = ["slurm_env"]  # the fixture, imported for the Slurm tests below
+
+BASE = "slurm-ddp-test-base:bookworm"
+IMAGE = "slurm-ddp-trainer:test"
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> dict[str, str]:
+    script = ROOT / "containers" / "engine.sh"
+    if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode:
+        if os.environ.get("CI") == "true":
+            pytest.fail("no container engine under CI: .ci/run starts one with containers/engine.sh up")
+        pytest.skip("no container engine: `bash containers/engine.sh up` starts a private one")
+    env = dict(os.environ)
+    for line in subprocess.run(["bash", str(script), "env"], capture_output=True, text=True).stdout.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if m:
+            env[m.group(1)] = m.group(2).strip("'\"")
+    return env
+
+
+@pytest.fixture(scope="module")
+def image(engine_env: dict[str, str]) -> str:
+    """Our Dockerfile built on the local stand-in for a CUDA PyTorch image."""
+    base = subprocess.run(["bash", str(ROOT / "containers" / "test-base.sh"), BASE], env=engine_env,
+                          capture_output=True, text=True, timeout=900)
+    assert base.returncode == 0, base.stderr[-3000:]
+    build = subprocess.run(["make", "-s", "docker", f"IMAGE={IMAGE}", f"BASE_IMAGE={BASE}"], cwd=ROOT, env=engine_env,
+                           capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return IMAGE
+
+
+def docker(args: list[str], env: dict[str, str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], env=env, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
+
+
+def test_image_keeps_the_base_torch_and_runs_as_a_user(image: str, engine_env: dict[str, str]) -> None:
+    out = docker(["run", "--rm", "--entrypoint", "python3", image, "-c",
+                  "import os, torch, trainer; print(torch.__version__, os.getuid())"], engine_env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    version, uid = out.stdout.split()
+    assert version.startswith("2.13.0") and "+cpu" in version  # the base's torch, not a PyPI replacement
+    assert uid == "1000"
+
+
+def test_training_inside_the_image(image: str, engine_env: dict[str, str], tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)  # the image's user writes here
+    out = docker(["run", "--rm", "--network", "host", "-v", f"{tmp_path}:{tmp_path}", "-e", "OMP_NUM_THREADS=1", image,
+                  *SMALL, f"run.dir={tmp_path}/run"], engine_env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["global_step"] == 32
+
+
+def test_two_node_job_with_the_docker_runtime(image: str, engine_env: dict[str, str], slurm_env: dict[str, str],
+                                             tmp_path: Path) -> None:
+    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
+    run = tmp_path / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--set", "container.runtime=docker", "--set",
+                        f"container.image={image}", "--", *SMALL, f"run.dir={run}"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((run / "result.json").read_text())
+    assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1
+
+
+def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, str], slurm_env: dict[str, str],
+                                            tmp_path: Path) -> None:
+    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
+    run = tmp_path / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--set", "container.runtime=docker", "--set", f"container.image={image}",
+                        "--", *SMALL, "train.epochs=20", "debug.step_delay_s=0.2", f"run.dir={run}"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_id_of(proc.stdout)
+
+    def containers() -> list[str]:
+        return docker(["ps", "-a", "-q", "--filter", f"name=train-{job}-"], env).stdout.split()
+
+    wait_for(lambda: len(containers()) == 2, timeout=120, what="both task containers")
+    wait_for(lambda: (run / "config.yaml").exists(), timeout=120, what="training to start")
+    assert subprocess.run(["scancel", job], env=env).returncode == 0
+    wait_for(lambda: containers() == [], timeout=60, what="the containers to be removed")
+    wait_for(lambda: job_state(job, env) in ("CANCELLED", "CANCELLED+"), timeout=60, what="CANCELLED")
+    time.sleep(2)
+    assert containers() == []
