@@ -44,11 +44,11 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, target: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+def torchrun(nproc: int, target: list[str], ok_if: str = "") -> tuple[subprocess.CompletedProcess[str], float]:
     launched = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            *target], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
+    if proc.returncode and not (ok_if and ok_if in proc.stdout):
         raise RuntimeError(f"{' '.join(target)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return proc, launched
 
@@ -64,8 +64,9 @@ def trainer_run(nproc: int, args: list[str], tmp: Path, device: str = "cpu") -> 
 
 
 def bare_run(nproc: int, batch: int, size: int) -> dict[str, Any]:
+    # The bare loop's gloo teardown sometimes aborts after it has printed its figures: those still count.
     proc, launched = torchrun(nproc, [str(ROOT / "benchmarks" / "bare_ddp.py"), f"--batch-size={batch}",
-                                      f"--train-size={size}"])
+                                      f"--train-size={size}"], ok_if='"train_samples_per_s"')
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["launch_to_first_step_s"] = result["first_step_at"] - launched
     return result

@@ -33,8 +33,7 @@ def sbatch_directives(p: Profile) -> list[str]:
         if value:
             lines += ["# SITE", f"#SBATCH --{key}={value}"]
     lines += [
-        # torchrun's agent dies of USR2 (no handler); it forwards TERM to the trainers instead.
-        f"#SBATCH --signal={'TERM' if p.launch == 'torchrun' else p.signal}@{p.signal_grace_s}",
+        f"#SBATCH --signal={p.signal}@{p.signal_grace_s}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={_sbatch_path(p.log_dir + '/%x-%j.out')}",
@@ -78,14 +77,18 @@ def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
     inside = container_prefix(p)
     py = "python3" if inside else shlex.quote(python)
     srun = "srun --kill-on-bad-exit=1" + (f" {inside}" if inside else "")
-    overrides = "".join(f" {shlex.quote(a)}" for a in args) + ' run.dir="$RUN_DIR" "$@"'
+    overrides = "".join(f" {shlex.quote(a)}" for a in [f"checkpoint.signal=SIG{p.signal}", *args])
+    overrides += ' run.dir="$RUN_DIR" "$@"'
     if p.launch == "srun":
-        return [f"{srun} {py} -m trainer checkpoint.signal=SIG{p.signal}{overrides}"]
+        return [f"{srun} {py} -m trainer{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/env.py does.
+    # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
+    # (inherited through exec), the trainers it starts install their own handler.
+    ignore = f"bash -c 'trap \"\" {p.signal}; exec \"$@\"' torchrun " if p.signal in ("USR1", "USR2") else ""
     return [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
-        f"{srun} {py} -m torch.distributed.run \\",
+        f"{srun} {ignore}{py} -m torch.distributed.run \\",
         f'    --nnodes="$SLURM_NNODES" --nproc-per-node={p.ntasks_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \\',
         f"    -m trainer{overrides}",
@@ -103,11 +106,17 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         lines.append(f"export {name}={shlex.quote(str(value))}")
     lines += [
         "export PYTHONUNBUFFERED=1",
+        # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
+        'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
         # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
         f'RUN_DIR="${{RUN_DIR:-{default_dir}}}"' if not run_dir else f"RUN_DIR=${{RUN_DIR:-{default_dir}}}",
         "",
         *(['mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path']
           if p.container.runtime != "none" else []),
+        'for arg in "$@"; do',
+        '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
+        "done",
+        'rm -f "$RUN_DIR/requeue.json"  # only this run\'s own marker may trigger a requeue',
         "rc=0",
         *launch[:-1],
         launch[-1] + " || rc=$?",

@@ -35,8 +35,8 @@ def sbatch_script(p: Profile, args: list[str]) -> str:
                          run_dir=run_dir)
 
 
-def executor(p: Profile) -> Any:
-    """A submitit Slurm executor configured from the profile."""
+def executor(p: Profile, run_dir: str | None = None) -> Any:
+    """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given)."""
     import submitit
 
     folder = Path(p.log_dir) / "%j"
@@ -47,8 +47,10 @@ def executor(p: Profile) -> Any:
     teardown: list[str] = []
     if inside:
         # The task runs in the image, where scontrol usually is not: the batch shell requeues instead.
-        setup += ['export RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"',
-                  'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)']
+        default = shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID"
+        setup += [f"export RUN_DIR=${{RUN_DIR:-{default}}}",
+                  'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
+                  'rm -f "$RUN_DIR/requeue.json"']
         teardown = [f'if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then',
                     '  scontrol requeue "$SLURM_JOB_ID"', "fi"]
     params: dict[str, Any] = {
@@ -77,7 +79,7 @@ def executor(p: Profile) -> Any:
 
 def submitit_script(p: Profile, args: list[str]) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
-    inner = executor(p)._executor
+    inner = executor(p, split_run_dir(args)[1])._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
@@ -117,6 +119,10 @@ def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
     proc.stdin.write(script)
     proc.stdin.close()
     job_id = proc.stdout.readline().strip().split(";")[0]
+    if not job_id:
+        proc.wait()
+        print(f"sbatch refused the job (exit {proc.returncode}); its message is above", file=sys.stderr)
+        return proc.returncode or 1
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
     print(f"submitted job {job_id} (sbatch, {p.nodes} node(s), profile {p.name})")
     print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
@@ -129,7 +135,7 @@ def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
 
 
 def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
-    ex = executor(p)
+    ex = executor(p, split_run_dir(args)[1])
     job = ex.submit(TrainTask(["checkpoint.signal=SIGUSR2", *args], p.max_requeues))
     print(f"submitted job {job.job_id} (submitit, {p.nodes} node(s), profile {p.name})")
     print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")

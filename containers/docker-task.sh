@@ -16,7 +16,8 @@ name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-0}-${SLURM_PROCID:-0}"
 # A container's /etc/hosts is the engine's, not this node's: hand the trainer the first node's address.
 if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
     head=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
-    MASTER_ADDR=$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}')
+    MASTER_ADDR=$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}') ||
+        { echo "error: MASTER_ADDR: node $head does not resolve on $(hostname)" >&2; exit 2; }
     export MASTER_ADDR
 fi
 
@@ -34,7 +35,15 @@ for v in "${vars[@]}"; do
 done
 while IFS= read -r v; do env_args+=(-e "$v"); done < <(compgen -e | grep -E '^(NCCL_|SUBMITIT_)' || true)
 gpu_args=()
-if [[ -n ${SLURM_GPUS_ON_NODE:-} && ${SLURM_GPUS_ON_NODE:-0} != 0 ]]; then gpu_args=(--gpus all); fi
+if [[ -n ${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}} ]]; then
+    # The GPUs Slurm gave this job (host indices), not all of the node's: jobs may share a node.
+    gpu_args=(--gpus "\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\"")
+elif [[ ${SLURM_GPUS_ON_NODE:-0} != 0 ]]; then
+    gpu_args=(--gpus all)
+fi
+
+# A container left by a task that was SIGKILLed (its EXIT trap never ran) would block the name.
+"$engine" rm -f "$name" >/dev/null 2>&1 || true
 
 # The working folder is mounted at the same path, so relative run folders and logs land on the host.
 "$engine" run --rm --init --name "$name" --network host --ipc=host "${gpu_args[@]}" \

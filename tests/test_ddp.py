@@ -58,3 +58,12 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path: Path) -> None:
     big = torch.load(result_of(tmp_path / "big")["checkpoint"], weights_only=True)["model"]
     for name in big:
         torch.testing.assert_close(acc[name], big[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_uneven_test_shards_with_buffers_do_not_hang(tmp_path: Path) -> None:
+    # 257 test samples: rank 0 gets one batch more than rank 1. A DDP forward in evaluation would
+    # broadcast resnet18's BatchNorm buffers on that extra batch and wait forever for rank 1.
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, "model.name=resnet18", "data.synthetic_train_size=128", "data.synthetic_test_size=257",
+                    "dist.timeout_s=60", f"run.dir={run}"], tmp_path, nproc=2, timeout=300))
+    assert result_of(run)["world_size"] == 2

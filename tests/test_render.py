@@ -88,16 +88,16 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     rec = tmp / "calls.jsonl"
+    run_dir = tmp / "run"
     for tool in ("srun", "scontrol"):
+        leave_marker = f"open({str(run_dir / 'requeue.json')!r}, 'w').write('{{}}')\n" if marker and tool == "srun" else ""
         (bin_dir / tool).write_text(
             "#!/usr/bin/env python3\nimport json, os, sys\n"
             f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR')]) + '\\n')\n"
-            f"sys.exit({rc if tool == 'srun' else 0})\n")
+            f"{leave_marker}sys.exit({rc if tool == 'srun' else 0})\n")
         (bin_dir / tool).chmod(0o755)
-    run_dir = tmp / "run"
-    if marker:
-        run_dir.mkdir(exist_ok=True)
-        (run_dir / "requeue.json").write_text("{}")
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "requeue.json").write_text("{}")  # a stale marker from an earlier attempt must not count
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
            "SLURM_RESTART_COUNT": str(restarts), "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "RUN_DIR": str(run_dir)}
     (tmp / "job.sh").write_text(script)
@@ -123,9 +123,9 @@ def test_hostile_overrides_arrive_verbatim_and_nothing_executes(tmp_path: Path, 
 
 @pytest.mark.parametrize(("rc", "restarts", "marker", "requeued", "exit_code"), [
     (0, 0, False, False, 0),
-    (1, 0, False, False, 1),
+    (1, 0, False, False, 1),    # a failure: the stale marker of an earlier attempt was cleared before srun
     (75, 0, False, True, 0),
-    (1, 1, True, True, 0),     # torchrun's agent reports 1, the marker says "saved"
+    (1, 1, True, True, 0),     # torchrun's agent reports 1, the marker (left by this attempt) says "saved"
     (75, 3, False, False, 75),  # max_requeues reached
 ])
 def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, requeued: bool, exit_code: int) -> None:

@@ -149,16 +149,24 @@ class Checkpointer:
         """
         state = dict(state, rng=_gather(rng_state()))
         path = self.folder / f"{PREFIX}{step:08d}.pt"
+        status: list[Any] = [None]
         if self.is_main:
-            self.wait()
-            self.folder.mkdir(parents=True, exist_ok=True)
-            if blocking:
-                self._commit(state, path)
-            else:
-                staged = _to_cpu(state)
-                self._thread = threading.Thread(target=self._commit_bg, args=(staged, path), daemon=False)
-                self._thread.start()
-        dist.barrier()
+            try:
+                self.wait()
+                self.folder.mkdir(parents=True, exist_ok=True)
+                if blocking:
+                    self._commit(state, path)
+                else:
+                    staged = _to_cpu(state)
+                    self._thread = threading.Thread(target=self._commit_bg, args=(staged, path), daemon=False)
+                    self._thread.start()
+            except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait at a barrier
+                status[0] = f"{type(exc).__name__}: {exc}"
+                dist.broadcast_object_list(status, src=0)
+                raise
+        dist.broadcast_object_list(status, src=0)  # also the barrier: nobody runs ahead of the commit
+        if status[0] is not None:
+            raise RuntimeError(f"checkpoint save failed on rank 0: {status[0]}")
         self.last_path = path
         return path
 

@@ -317,7 +317,8 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
         raise _err("checkpoint.resume", f"{cfg.checkpoint.resume!r} does not exist",
                    "pass auto, never, or the path of a checkpoint file or run folder")
-    if not cfg.checkpoint.signal.startswith("SIG") or not hasattr(signal, cfg.checkpoint.signal):
+    sig = getattr(signal, cfg.checkpoint.signal, None)
+    if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
         raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")
 
 

@@ -83,8 +83,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         job_name=env.get("SLURM_JOB_NAME"),
         array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
         array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
-        restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
-        gpus_on_node=int(env.get("SLURM_GPUS_ON_NODE") or 0),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", "set by Slurm", default=0),
+        gpus_on_node=_int(env, "SLURM_GPUS_ON_NODE", "set by Slurm", default=0),
         wandb_key=key,
     )
 
@@ -120,13 +120,18 @@ def tasks_per_node(spec: str, node_index: int, field: str) -> int:
         if not m:
             raise UserError(field, f"cannot parse {spec!r}", "expected Slurm's form, e.g. '4' or '2(x3),1'")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if len(counts) == 1 and "(" not in spec:  # one plain number (SLURM_NTASKS_PER_NODE) applies to every node
+        return counts[0]
     if node_index >= len(counts):
-        return counts[-1]
+        raise UserError(field, f"{spec!r} describes {len(counts)} nodes, but this is node {node_index}",
+                        "this variable is set by Slurm; run inside the allocation it belongs to")
     return counts[node_index]
 
 
-def _int(env: Mapping[str, str], name: str, hint: str) -> int:
+def _int(env: Mapping[str, str], name: str, hint: str, default: int | None = None) -> int:
     raw = env.get(name)
+    if (raw is None or raw == "") and default is not None:
+        return default
     if raw is None or raw == "":
         raise UserError(name, "is not set", hint)
     try:
@@ -158,7 +163,7 @@ def _check(env: DistEnv, names: dict[str, str], hint: str) -> DistEnv:
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     hint = "launch with torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together"
     world_size = _int(env, "WORLD_SIZE", hint)
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE") or world_size)
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", hint, default=world_size)
     addr = env.get("MASTER_ADDR")
     if not addr:
         raise UserError("MASTER_ADDR", "is not set although RANK is", hint)
@@ -167,7 +172,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         local_rank=_int(env, "LOCAL_RANK", hint),
         world_size=world_size,
         local_world_size=local_world_size,
-        node_rank=int(env.get("GROUP_RANK") or env.get("NODE_RANK") or 0),
+        node_rank=_int(env, "GROUP_RANK" if env.get("GROUP_RANK") else "NODE_RANK", hint, default=0),
         num_nodes=max(1, world_size // max(1, local_world_size)),
         master_addr=addr,
         master_port=_int(env, "MASTER_PORT", hint),
@@ -188,7 +193,8 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     if not nodelist:
         raise UserError("SLURM_JOB_NODELIST", "is not set although SLURM_PROCID is", hint)
     hosts = expand_nodelist(nodelist)
-    num_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
+    num_nodes = _int(env, "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES", hint,
+                     default=len(hosts))
     per_node_var = next(
         (v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)),
         None,

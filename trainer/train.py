@@ -26,7 +26,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import Config, to_yaml
 from trainer.data import build_data, loaders
 from trainer.env import DistEnv, job_info
-from trainer.errors import EXIT_REQUEUE
+from trainer.errors import EXIT_REQUEUE, UserError
 from trainer.models import build_model
 from trainer.tracking import Tracker
 
@@ -53,19 +53,46 @@ def say(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
-def choose_run_dir(cfg: Config, env: DistEnv) -> Path:
-    """The run folder, decided on rank 0 and shared: a requeued Slurm job finds its own folder again."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir).resolve()
-    choice: list[Any] = [None]
+def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and hand its result, or its UserError, to every rank: no rank is left waiting."""
+    box: list[Any] = [None]
     if env.is_main:
-        name = env.job_id if env.job_id else datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path("runs", name).resolve()
-        if not env.job_id and path.exists():
-            path = Path(f"{path}-{time.time_ns() % 10**6}")
-        choice[0] = str(path)
-    dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0])
+        try:
+            box[0] = ("ok", fn())
+        except UserError as err:
+            box[0] = ("error", (err.field, err.message, err.hint))
+        except Exception as exc:  # re-raised on rank 0 with its traceback, reported on the others
+            box[0] = ("crash", f"{type(exc).__name__}: {exc}")
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise UserError(*value)
+    if kind == "crash":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+def choose_run_dir(cfg: Config, env: DistEnv) -> Path:
+    """The run folder, decided and created on rank 0: a requeued Slurm job finds its own folder again."""
+
+    def make() -> str:
+        if cfg.run.dir:
+            path = Path(cfg.run.dir).resolve()
+        else:
+            path = Path("runs", env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+            if not env.job_id and path.exists():
+                path = Path(f"{path}-{time.time_ns() % 10**6}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            ckpt.write_atomic(path / "config.yaml", to_yaml(cfg).encode())
+        except OSError as exc:
+            raise UserError("run.dir", f"cannot write {str(path)!r} ({exc.strerror})",
+                            "choose a folder this user can write, on storage every node shares") from None
+        return str(path)
+
+    return Path(on_main(env, make))
 
 
 def lr_factor(cfg: Config, total_steps: int) -> Callable[[int], float]:
@@ -126,8 +153,6 @@ class Trainer:
         self.run_dir = choose_run_dir(cfg, env)
         self.requeue_marker = self.run_dir / "requeue.json"
         if env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.write_atomic(self.run_dir / "config.yaml", to_yaml(cfg).encode())
             self.requeue_marker.unlink(missing_ok=True)
         self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", env.is_main, cfg.checkpoint.keep,
                                               cfg.debug.save_delay_s)
@@ -187,16 +212,29 @@ class Trainer:
         cfg, env = self.cfg, self.env
         if cfg.checkpoint.resume == "never":
             return None, None
-        target = self.run_dir if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+        explicit = None if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+
+        def pick() -> str | None:
+            # The run's own newest checkpoint wins: a requeued job that was started from PATH continues
+            # from where it got to, not from PATH again.
+            for target in [self.run_dir, *([explicit] if explicit else [])]:
+                try:
+                    found = ckpt.find_resumable(target)
+                except Exception as exc:
+                    raise UserError("checkpoint.resume", f"cannot read {str(target)!r} ({exc})",
+                                    "pass a checkpoint file or run folder written by this trainer") from None
+                if found:
+                    return str(found[0])
+            if explicit:
+                raise UserError("checkpoint.resume", f"no complete checkpoint in {str(explicit)!r}",
+                                "pass a step_*.pt file with its .json manifest, or a run folder holding checkpoints/")
+            return None
+
         # Rank 0 picks (and verifies) the checkpoint, so warnings appear once and all ranks load the same one.
-        chosen: list[Any] = [None]
-        if env.is_main:
-            found = ckpt.find_resumable(target)
-            chosen[0] = str(found[0]) if found else None
-        dist.broadcast_object_list(chosen, src=0)
-        if chosen[0] is None:
+        chosen = on_main(env, pick)
+        if chosen is None:
             return None, None
-        path = Path(chosen[0])
+        path = Path(chosen)
         state = torch.load(path, map_location="cpu", weights_only=True)  # before DDP wraps the model
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -204,6 +242,10 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         for k, v in state["progress"].items():
             setattr(self.progress, k, v)
+        if state["world_size"] != env.world_size:
+            # batches_in_epoch counts per rank: convert through the samples the whole job consumed.
+            consumed = self.progress.batches_in_epoch * state["config"]["data"]["batch_size"] * state["world_size"]
+            self.progress.batches_in_epoch = consumed // (cfg.data.batch_size * env.world_size)
         for group, key in (("data", "name"), ("data", "batch_size"), ("optim", "grad_accum"), ("train", "seed")):
             was, now = state["config"][group][key], getattr(getattr(cfg, group), key)
             if was != now:
@@ -212,24 +254,26 @@ class Trainer:
         if state["world_size"] == env.world_size:
             ckpt.set_rng_state(state["rng"][env.rank])
         else:
-            say(env, f"note: checkpoint was written by {state['world_size']} processes, now {env.world_size}: "
-                     "random generators are re-seeded, so the data order continues but is not bit-exact")
+            say(env, f"note: checkpoint was written by {state['world_size']} processes, now {env.world_size}: the epoch "
+                     "continues after the samples already seen (to within one batch), but not bit-exactly")
         return path, state["tracking"].get("run_id")
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Loss and accuracy over the whole test set, each rank scoring its shard, summed across ranks."""
-        self.net.eval()
+        # The unwrapped model: a DDP forward broadcasts buffers, a collective that ranks with one batch
+        # fewer (shards differ by up to one sample) would never join.
+        self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.test_loader:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.autocast():
-                out = self.net(x)
+                out = self.model(x)
             totals[0] += F.cross_entropy(out.float(), y, reduction="sum").item()
             totals[1] += (out.argmax(1) == y).sum().item()
             totals[2] += y.numel()
         dist.all_reduce(totals)
-        self.net.train()
+        self.model.train()
         return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
     def train_window(self, batches: Iterator[Any], window: int) -> None:
@@ -288,13 +332,21 @@ class Trainer:
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
                 self.report(bar)
-                if p.batches_in_epoch >= n_batches:  # a finished epoch is saved as the next one's start
+                epoch_done = p.batches_in_epoch >= n_batches
+                if epoch_done:  # evaluated before any save, and saved as the next epoch's start
                     p.epoch, p.batches_in_epoch = p.epoch + 1, 0
+                    t_eval = time.perf_counter()
+                    scores = self.evaluate()
+                    eval_time += time.perf_counter() - t_eval
+                    self.tracker.log({"eval/loss": scores[0], "eval/accuracy": scores[1], "epoch": p.epoch},
+                                     p.global_step)
+                    say(env, f"\nepoch {p.epoch}/{cfg.train.epochs}: test loss {scores[0]:.4f}, "
+                             f"accuracy {100 * scores[1]:.2f}%")
 
                 # Every poll_steps steps, one small all-reduce tells every rank whether anyone was signalled
                 # and whether rank 0's clock says a timed save is due, so all ranks save together.
                 signum, due = 0, False
-                if p.global_step % cfg.checkpoint.poll_steps == 0 or p.batches_in_epoch == 0:
+                if p.global_step % cfg.checkpoint.poll_steps == 0 or epoch_done:
                     due = (cfg.checkpoint.every_minutes > 0 and env.is_main
                            and time.monotonic() - last_save_time >= 60 * cfg.checkpoint.every_minutes)
                     flags = torch.tensor([self.preemption.signum, float(due)], device=self.device)
@@ -306,13 +358,8 @@ class Trainer:
                 if (every and p.global_step % every == 0) or due:
                     self.save(blocking=not cfg.checkpoint.async_save)
                     last_save_time = time.monotonic()
-                if p.batches_in_epoch == 0:
+                if epoch_done:
                     break
-            t_eval = time.perf_counter()
-            scores = self.evaluate()
-            eval_time += time.perf_counter() - t_eval
-            self.tracker.log({"eval/loss": scores[0], "eval/accuracy": scores[1], "epoch": p.epoch}, p.global_step)
-            say(env, f"\nepoch {p.epoch}/{cfg.train.epochs}: test loss {scores[0]:.4f}, accuracy {100 * scores[1]:.2f}%")
         train_time = time.perf_counter() - started - eval_time
         if bar is not None:
             bar.close()

@@ -15,9 +15,14 @@ set -euo pipefail
 
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
 RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
 
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path
+for arg in "$@"; do
+  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
+done
+rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
 rc=0
 srun --kill-on-bad-exit=1 apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
 

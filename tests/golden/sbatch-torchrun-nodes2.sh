@@ -7,7 +7,7 @@
 #SBATCH --time=10
 # SITE
 #SBATCH --partition=dev
-#SBATCH --signal=TERM@30
+#SBATCH --signal=USR2@30
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=runs/slurm/%x-%j.out
@@ -15,15 +15,20 @@ set -euo pipefail
 
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
 RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
 
+for arg in "$@"; do
+  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
+done
+rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
 rc=0
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-srun --kill-on-bad-exit=1 <python> -m torch.distributed.run \
+srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
     --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
-    -m trainer optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
+    -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
 
 # Exit 75 (or the marker, when torchrun's agent hides the code): saved after a signal.
 if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then

@@ -16,8 +16,9 @@
 
 # setup
 export OMP_NUM_THREADS=1
-export RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
 
 # command
 export SUBMITIT_EXECUTOR=slurm
