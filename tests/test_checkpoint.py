@@ -205,3 +205,15 @@ def test_unresolvable_master_addr_fails_fast_and_clearly(tmp_path: Path) -> None
     assert [p.returncode for p in ranks] == [2, 2], outs
     assert "error: MASTER_ADDR: host 'no-such-host.invalid' does not resolve" in outs[0] and "HINT:" in outs[0]
     assert time.monotonic() - start < 30
+
+
+def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=10", "debug.oom_at_step=14"], tmp_path),
+              code=2)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: data.batch_size: out of memory (rank 0, step 14")
+    assert lines[-1].startswith("HINT: halve the batch") and "optim.grad_accum=2" in lines[-1]
+    assert "Traceback" not in proc.stderr
+    assert [m.name for m in ckpt.committed(run / "checkpoints")] == ["step_00000010.json"]
+    ckpt.verify(run / "checkpoints" / "step_00000010.json")

@@ -148,6 +148,8 @@ class DebugConfig:
     """Testing: sleep this long in the middle of writing a checkpoint file."""
     step_delay_s: float = 0.0
     """Testing: sleep this long after every optimizer step (slows a run so signals land mid-training)."""
+    oom_at_step: int = -1
+    """Testing: raise torch.OutOfMemoryError in this micro-step (-1: never), through the real handler."""
 
 
 @dataclass

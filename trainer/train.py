@@ -288,6 +288,8 @@ class Trainer:
             self.meter.add(loss.item() * window, x.shape[0] * self.env.world_size)
             self.samples_seen += x.shape[0] * self.env.world_size
             self.micro += 1
+            if self.micro == self.cfg.debug.oom_at_step + 1:
+                raise torch.OutOfMemoryError("simulated out of memory (debug.oom_at_step)")
             if self.micro == self.cfg.debug.preempt_at_step + 1:  # test hook: as if the signal arrived now
                 self.preemption.signum = getattr(signal, self.cfg.checkpoint.signal)
         if self.cfg.optim.grad_clip > 0:
@@ -303,6 +305,8 @@ class Trainer:
         """Train to the configured epochs or until preempted; return the run's summary."""
         try:
             result = self._fit()
+        except torch.OutOfMemoryError as exc:
+            raise self.out_of_memory(exc) from None
         finally:
             self.checkpointer.wait()
             self.tracker.finish()
@@ -392,6 +396,21 @@ class Trainer:
         self.tracker.finish({"test/accuracy": test_acc, "test/loss": test_loss, "global_step": p.global_step})
         say(env, f"done: test accuracy {100 * test_acc:.2f}% (chance {100 / cfg.model.num_classes:.0f}%), checkpoint {final}")
         return result
+
+    def out_of_memory(self, exc: BaseException) -> UserError:
+        """What to print when a step runs out of memory; nothing is saved, so the last checkpoint stays intact."""
+        cfg, p = self.cfg, self.progress
+        if self.device.type == "cuda":
+            print(torch.cuda.memory_summary(self.device, abbreviated=True), file=sys.stderr, flush=True)
+        b, accum = cfg.data.batch_size, cfg.optim.grad_accum
+        hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} optim.grad_accum={accum * 2}"]
+        if cfg.train.precision == "fp32":
+            hints.append("train.precision=bf16 (about half the activation memory)")
+        hints += ["activation checkpointing (torch.utils.checkpoint) in the model's largest blocks",
+                  "evaluation already runs under torch.no_grad; a checkpoint, if any, is untouched"]
+        where = f"rank {self.env.rank}, step {p.global_step}, epoch {p.epoch}"
+        return UserError("data.batch_size", f"out of memory ({where}; batch {b} per process, {cfg.train.precision}): "
+                         f"{str(exc).splitlines()[0]}", "; ".join(hints))
 
     def preempted(self, sig: signal.Signals, bar: Any) -> dict[str, Any]:
         """Save once, leave a requeue marker, and report exit code 75."""
