@@ -1,7 +1,7 @@
 """Checkpoints that only count once committed: rank 0 writes, every rank waits.
 
 Commit protocol for ``step_<N>``: temp file → flush + fsync → ``os.replace`` → fsync folder →
-manifest ``step_<N>.json`` (size, CRC-32, step, epoch) written the same way → ``latest`` pointer.
+manifest ``step_<N>.json`` (size, XXH3 hash, step, epoch) written the same way → ``latest`` pointer.
 A ``.pt`` file without its manifest is an unfinished save and is never loaded.
 """
 
@@ -14,7 +14,6 @@ import random
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 PREFIX = "step_"
 FORMAT_VERSION = 1
@@ -85,13 +85,16 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class _Sink:
-    """A file object for torch.save that counts bytes and computes CRC-32 on the way to disk: no copy in memory."""
+    """A file object for torch.save that counts bytes and hashes them on the way to disk: no copy in memory.
+
+    XXH3 rather than CRC-32: a few times faster, which keeps a synchronous save close to a raw torch.save.
+    """
 
     def __init__(self, f: Any, delay_s: float) -> None:
-        self.f, self.delay_s, self.size, self.crc = f, delay_s, 0, 0
+        self.f, self.delay_s, self.size, self.hash = f, delay_s, 0, xxhash.xxh3_64()
 
     def write(self, data: bytes) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self.hash.update(data)
         self.size += len(data)
         n: int = self.f.write(data)
         if self.delay_s:  # test hook: sleep with the file half-written; a kill now must leave older checkpoints intact
@@ -104,8 +107,8 @@ class _Sink:
         self.f.flush()
 
 
-def save_atomic(path: Path, obj: Any, delay_s: float = 0.0) -> tuple[int, int]:
-    """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, CRC-32)."""
+def save_atomic(path: Path, obj: Any, delay_s: float = 0.0) -> tuple[int, str]:
+    """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, XXH3-64)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         sink = _Sink(f, delay_s)
@@ -114,7 +117,7 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0) -> tuple[int, int]:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    return sink.size, sink.crc
+    return sink.size, sink.hash.hexdigest()
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -188,11 +191,11 @@ class Checkpointer:
     def _commit(self, state: dict[str, Any], path: Path) -> None:
         for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
             stale.unlink(missing_ok=True)
-        size, crc = save_atomic(path, state, self.save_delay_s)
+        size, digest = save_atomic(path, state, self.save_delay_s)
         manifest = {
             "file": path.name,
             "size": size,
-            "crc32": crc,
+            "xxh3_64": digest,
             "global_step": state["progress"]["global_step"],
             "epoch": state["progress"]["epoch"],
             "batches_in_epoch": state["progress"]["batches_in_epoch"],
@@ -234,7 +237,7 @@ def verify(manifest: Path) -> bytes:
     data = (manifest.parent / meta["file"]).read_bytes()
     if len(data) != meta["size"]:
         raise ValueError(f"size {len(data)} != {meta['size']} recorded (truncated)")
-    if zlib.crc32(data) != meta["crc32"]:
+    if xxhash.xxh3_64_hexdigest(data) != meta["xxh3_64"]:
         raise ValueError("checksum mismatch (corrupted)")
     return data
 
