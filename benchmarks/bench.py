@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from trainer.env import without_placement
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,8 +40,7 @@ def machine() -> dict[str, Any]:
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = without_placement(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from trainer.env import without_placement
+
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
 
@@ -28,9 +30,7 @@ SMALL = [
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment minus anything that would tell the trainer where it runs."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
-           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    env = without_placement(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
@@ -63,6 +63,20 @@ def hostile_dir(tmp_path: Path) -> Path:
     path = tmp_path / "a'; echo x $(touch pwned) b"
     path.mkdir()
     return path
+
+
+def exported(script: Path, base: dict[str, str]) -> dict[str, str]:
+    """``base`` plus the variables that ``bash SCRIPT env`` prints as ``export NAME=VALUE`` lines (shell-unquoted)."""
+    import re
+    import shlex
+
+    env = dict(base)
+    out = subprocess.run(["bash", str(script), "env"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if m:
+            env[m.group(1)] = " ".join(shlex.split(m.group(2)))
+    return env
 
 
 def free_port() -> int:

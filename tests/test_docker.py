@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL
+from .conftest import ROOT, SMALL, exported
 from .test_slurm import cluster_cmd, job_id_of, job_state, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture, imported for the Slurm tests below
@@ -28,12 +27,7 @@ def engine_env() -> dict[str, str]:
         if os.environ.get("CI") == "true":
             pytest.fail("no container engine under CI: .ci/run starts one with containers/engine.sh up")
         pytest.skip("no container engine: `bash containers/engine.sh up` starts a private one")
-    env = dict(os.environ)
-    for line in subprocess.run(["bash", str(script), "env"], capture_output=True, text=True).stdout.splitlines():
-        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
-        if m:
-            env[m.group(1)] = m.group(2).strip("'\"")
-    return env
+    return exported(script, dict(os.environ))
 
 
 @pytest.fixture(scope="module")

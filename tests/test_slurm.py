@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL
+from .conftest import ROOT, SMALL, exported
 
 SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 
@@ -23,18 +23,12 @@ SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 @pytest.fixture(scope="module")
 def slurm_env() -> dict[str, str]:
     """The environment that talks to the dev cluster, or a skip (a failure under CI) when it is down."""
-    proc = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True)
     status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
-    if proc.returncode or status.returncode:
+    if status.returncode:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the dev cluster is not up under CI: {status.stdout}{status.stderr}")
         pytest.skip("dev cluster is down: `make dev-cluster` starts it")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for line in proc.stdout.splitlines():
-        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
-        if m:
-            env[m.group(1)] = subprocess.run(["bash", "-c", f"printf %s {m.group(2)}"], capture_output=True,
-                                             text=True).stdout
+    env = exported(SCRIPT, {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -89,6 +89,12 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
     )
 
 
+def without_placement(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` minus every variable that tells a process where it runs: for launching a fresh job."""
+    placement = set(TRAINER_VARIABLES) - {"WANDB_API_KEY"}
+    return {k: v for k, v in environ.items() if k not in placement and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand a Slurm hostlist such as ``gpu-[01-03,10],cpu7`` (same order as ``scontrol show hostnames``)."""
     try:
