@@ -61,7 +61,7 @@ def env_reads() -> set[str]:
     """Every variable name trainer/env.py reads, from its source (string constants that look like variables)."""
     tree = ast.parse((ROOT / "trainer" / "env.py").read_text())
     names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-             and re.fullmatch(r"[A-Z][A-Z0-9_]+", n.value)}
+             and re.fullmatch(r"[A-Z][A-Z0-9_]*[A-Z0-9]", n.value)}  # prefixes such as "SLURM_" are no names
     return names - {"HOME", "NETRC"}  # W&B's netrc lookup: the container has its own home
 
 
