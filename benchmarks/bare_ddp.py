@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainer.config import load
 from trainer.data import synthetic
@@ -32,7 +32,8 @@ a = parser.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-data = synthetic(load([f"data.synthetic_train_size={a.train_size}"])).train
+# The same tensors as a plain TensorDataset: sample-by-sample fetch and collate, as in the tutorials.
+data = TensorDataset(*synthetic(load([f"data.synthetic_train_size={a.train_size}"])).train.tensors)  # type: ignore[attr-defined]
 sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
 loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler)
 model = DDP(SmallCNN(1, 10, 28))
