@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,13 @@ class _Sink:
     XXH3 rather than CRC-32: a few times faster, which keeps a synchronous save close to a raw torch.save.
     """
 
-    def __init__(self, f: Any, delay_s: float) -> None:
+    def __init__(self, f: Any, delay_s: float, on_write: Callable[[], None] | None) -> None:
         self.f, self.delay_s, self.size, self.hash = f, delay_s, 0, xxhash.xxh3_64()
+        self.on_write = on_write
 
     def write(self, data: bytes) -> int:
+        if self.on_write:
+            self.on_write()
         self.hash.update(data)
         self.size += len(data)
         n: int = self.f.write(data)
@@ -107,11 +111,14 @@ class _Sink:
         self.f.flush()
 
 
-def save_atomic(path: Path, obj: Any, delay_s: float = 0.0) -> tuple[int, str]:
-    """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, XXH3-64)."""
+def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
+                on_write: Callable[[], None] | None = None) -> tuple[int, str]:
+    """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, XXH3-64).
+
+    ``on_write`` is called before each chunk: a sign of life for the hang watchdog."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        sink = _Sink(f, delay_s)
+        sink = _Sink(f, delay_s, on_write)
         torch.save(obj, sink)  # type: ignore[arg-type]  # any object with write() will do
         f.flush()
         os.fsync(f.fileno())
@@ -134,11 +141,13 @@ def _to_cpu(obj: Any) -> Any:
 class Checkpointer:
     """Saves and finds checkpoints in ``<run>/checkpoints``; only the main rank touches the folder."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0) -> None:
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0,
+                 on_write: Callable[[], None] | None = None) -> None:
         self.folder = folder
         self.is_main = is_main
         self.keep = keep
         self.save_delay_s = save_delay_s
+        self.on_write = on_write
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
@@ -191,7 +200,7 @@ class Checkpointer:
     def _commit(self, state: dict[str, Any], path: Path) -> None:
         for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
             stale.unlink(missing_ok=True)
-        size, digest = save_atomic(path, state, self.save_delay_s)
+        size, digest = save_atomic(path, state, self.save_delay_s, self.on_write)
         manifest = {
             "file": path.name,
             "size": size,

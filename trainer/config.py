@@ -96,6 +96,13 @@ class DistConfig:
     """Process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo."""
     timeout_s: float = 300.0
     """Seconds a collective (or the rendezvous) may wait for a peer before the job fails."""
+    heartbeat_timeout_s: float = -1.0
+    """Seconds of no progress on a rank (after step 1) before a hang report names the stuck ranks; -1: 0.8 × timeout_s; 0: off."""
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The heartbeat timeout in effect (auto resolved); 0 when off."""
+        return 0.8 * self.timeout_s if self.heartbeat_timeout_s < 0 else self.heartbeat_timeout_s
 
 
 @dataclass
@@ -150,6 +157,10 @@ class DebugConfig:
     """Testing: sleep this long after every optimizer step (slows a run so signals land mid-training)."""
     oom_at_step: int = -1
     """Testing: raise torch.OutOfMemoryError in this micro-step (-1: never), through the real handler."""
+    hang_at_step: int = -1
+    """Testing: rank debug.hang_rank stops forever while fetching this micro-step's batch (-1: never)."""
+    hang_rank: int = 1
+    """Testing: the rank that debug.hang_at_step stops."""
 
 
 @dataclass
@@ -319,6 +330,13 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
         raise _err("checkpoint.resume", f"{cfg.checkpoint.resume!r} does not exist",
                    "pass auto, never, or the path of a checkpoint file or run folder")
+    if not (cfg.dist.heartbeat_timeout_s == -1 or 0 <= cfg.dist.heartbeat_timeout_s < math.inf):
+        raise _err("dist.heartbeat_timeout_s", f"must be -1 (auto), 0 (off) or seconds, got {cfg.dist.heartbeat_timeout_s}",
+                   "e.g. dist.heartbeat_timeout_s=-1")
+    if cfg.dist.heartbeat_timeout_s >= cfg.dist.timeout_s:
+        raise _err("dist.heartbeat_timeout_s", f"is {cfg.dist.heartbeat_timeout_s:g} s, not below dist.timeout_s="
+                   f"{cfg.dist.timeout_s:g}: collectives would time out first, without saying which rank is stuck",
+                   f"e.g. dist.heartbeat_timeout_s={0.8 * cfg.dist.timeout_s:g}, or 0 to turn hang reports off")
     sig = getattr(signal, cfg.checkpoint.signal, None)
     if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
         raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")

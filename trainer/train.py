@@ -27,6 +27,7 @@ from trainer.config import Config, to_yaml
 from trainer.data import build_data, loaders
 from trainer.env import DistEnv, job_info
 from trainer.errors import EXIT_REQUEUE, UserError
+from trainer.heartbeat import Heartbeat
 from trainer.models import build_model
 from trainer.tracking import Tracker
 
@@ -154,8 +155,9 @@ class Trainer:
         self.requeue_marker = self.run_dir / "requeue.json"
         if env.is_main:
             self.requeue_marker.unlink(missing_ok=True)
+        self.heartbeat = Heartbeat(env, self.run_dir / "hang", cfg.dist.heartbeat_s)
         self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", env.is_main, cfg.checkpoint.keep,
-                                              cfg.debug.save_delay_s)
+                                              cfg.debug.save_delay_s, on_write=self.heartbeat.alive)
         self.train_loader, self.sampler, self.test_loader = loaders(data, cfg, env, device, signals)
         self.model = build_model(cfg.model, data.in_channels, data.image_size).to(device)
         o = cfg.optim
@@ -203,7 +205,10 @@ class Trainer:
         }
 
     def save(self, blocking: bool = True) -> Path:
-        path = self.checkpointer.save(self.state(), self.progress.global_step, blocking=blocking)
+        self.heartbeat.beat("checkpoint save")
+        # Rank 0 beats while it writes; the others only wait for it, for as long as the write takes.
+        with self.heartbeat.waiting(not self.env.is_main):
+            path = self.checkpointer.save(self.state(), self.progress.global_step, blocking=blocking)
         self.saved = self.progress.global_step, path
         return path
 
@@ -266,24 +271,32 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.test_loader:
+            self.heartbeat.alive()  # shards differ by a batch: not a lockstep beat
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.autocast():
                 out = self.model(x)
             totals[0] += F.cross_entropy(out.float(), y, reduction="sum").item()
             totals[1] += (out.argmax(1) == y).sum().item()
             totals[2] += y.numel()
+        self.heartbeat.beat("evaluation all-reduce")
         dist.all_reduce(totals)
         self.model.train()
         return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
     def train_window(self, batches: Iterator[Any], window: int) -> None:
         """One optimizer step over ``window`` micro-batches; gradients are all-reduced on the last one only."""
+        hb, step = self.heartbeat, self.progress.global_step
         for i in range(window):
+            hb.beat("data loading", step)
+            if self.micro == self.cfg.debug.hang_at_step and self.env.rank == self.cfg.debug.hang_rank:
+                _stuck_for_test()
             x, y = next(batches)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             sync = contextlib.nullcontext() if i == window - 1 else self.ddp.no_sync()
+            hb.beat("forward")
             with sync, self.autocast():
                 loss = F.cross_entropy(self.net(x).float(), y) / window
+            hb.beat("backward (gradient all-reduce)" if i == window - 1 else "backward")
             self.scaler.scale(loss).backward()
             self.meter.add(loss.item() * window, x.shape[0] * self.env.world_size)
             self.samples_seen += x.shape[0] * self.env.world_size
@@ -292,6 +305,7 @@ class Trainer:
                 raise torch.OutOfMemoryError("simulated out of memory (debug.oom_at_step)")
             if self.micro == self.cfg.debug.preempt_at_step + 1:  # test hook: as if the signal arrived now
                 self.preemption.signum = getattr(signal, self.cfg.checkpoint.signal)
+        hb.beat("optimizer step")
         if self.cfg.optim.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -308,6 +322,7 @@ class Trainer:
         except torch.OutOfMemoryError as exc:
             raise self.out_of_memory(exc) from None
         finally:
+            self.heartbeat.stop()
             self.checkpointer.wait()
             self.tracker.finish()
         return result
@@ -332,7 +347,9 @@ class Trainer:
                 self.train_window(batches, window)
                 p.batches_in_epoch += window
                 p.global_step += 1
-                first_step_at = first_step_at or time.time()
+                if first_step_at is None:  # the watchdog starts now: a first step may compile for minutes
+                    first_step_at = time.time()
+                    self.heartbeat.start()
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
                 self.report(bar)
@@ -354,6 +371,7 @@ class Trainer:
                     due = (cfg.checkpoint.every_minutes > 0 and env.is_main
                            and time.monotonic() - last_save_time >= 60 * cfg.checkpoint.every_minutes)
                     flags = torch.tensor([self.preemption.signum, float(due)], device=self.device)
+                    self.heartbeat.beat("flag all-reduce (signals, timed saves)")
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                     signum, due = int(flags[0].item()), bool(flags[1].item())
                 if signum:
@@ -365,6 +383,7 @@ class Trainer:
                 if epoch_done:
                     break
         train_time = time.perf_counter() - started - eval_time
+        self.heartbeat.stop()
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
@@ -414,6 +433,7 @@ class Trainer:
 
     def preempted(self, sig: signal.Signals, bar: Any) -> dict[str, Any]:
         """Save once, leave a requeue marker, and report exit code 75."""
+        self.heartbeat.stop()  # the launcher's kill deadline bounds what follows
         if bar is not None:
             bar.close()
         path = self.save()
@@ -443,6 +463,12 @@ class Trainer:
             print(f"epoch {self.progress.epoch} step {step}: loss {m['train/loss']:.4f}, "
                   f"{m['train/samples_per_s']:.0f} samples/s, lr {m['train/lr']:.4g}", flush=True)
         self.tracker.log(m, step)
+
+
+def _stuck_for_test() -> None:
+    """debug.hang_at_step: what a rank stuck outside any collective looks like (a dead file system, a deadlock)."""
+    while True:
+        time.sleep(1)
 
 
 def _progress_bar(env: DistEnv, total: int, initial: int) -> Any:
