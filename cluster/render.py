@@ -72,6 +72,28 @@ def container_prefix(p: Profile) -> str:
     return ""
 
 
+def dq(text: str) -> str:
+    """``text`` escaped for use inside double quotes in a shell script."""
+    return "".join("\\" + c if c in '\\"$`' else c for c in text)
+
+
+def flight_recorder(p: Profile, folder: str) -> list[str]:
+    """GPU jobs: NCCL's flight recorder, so a collective timeout leaves each rank's last collectives in ``folder``.
+
+    ``folder`` is shell text for inside double quotes (see :func:`dq`)."""
+    if not p.gpus_per_node:
+        return []
+    return [
+        "# NCCL flight recorder: on a collective timeout every rank dumps its recent collectives (who waited on whom).",
+        'export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"',
+        'export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"',
+        # Bash parses quotes inside "${X:-…}": the folder goes through a plain assignment first.
+        f'nccl_trace="{folder}/nccl-trace-rank-"',
+        'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$nccl_trace}"',
+        "",
+    ]
+
+
 def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
     inside = container_prefix(p)
@@ -113,6 +135,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         "",
         *(['mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path']
           if p.container.runtime != "none" else []),
+        *flight_recorder(p, "$RUN_DIR"),
         'for arg in "$@"; do',
         '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
         "done",

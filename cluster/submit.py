@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.profile import Profile
-from cluster.render import container_prefix, render_sbatch
+from cluster.render import container_prefix, dq, flight_recorder, render_sbatch
 from cluster.task import TrainTask
 from trainer.config import load as load_train_config
 from trainer.errors import UserError
@@ -44,6 +44,7 @@ def executor(p: Profile, run_dir: str | None = None) -> Any:
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=p.max_requeues,
                                slurm_python=f"{inside} python3" if inside else python_for(p))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
+    setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
     teardown: list[str] = []
     if inside:
         # The task runs in the image, where scontrol usually is not: the batch shell requeues instead.

@@ -169,3 +169,13 @@ def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture
 def test_render_refuses_quotes_in_log_dir() -> None:
     with pytest.raises(UserError, match="double quote"):
         render_sbatch(load_profile("dev", {"log_dir": 'a"b'}), "python", [], "t")
+
+
+def test_gpu_jobs_turn_on_nccls_flight_recorder_with_a_quoted_folder(hostile_dir: Path) -> None:
+    p = load_profile("dev", {"gpus_per_node": 1, "log_dir": str(hostile_dir)})
+    lines = "; ".join(x for x in submitit_script(p, []).splitlines() if "nccl_trace" in x)
+    shown = subprocess.run(["bash", "-c", f'SLURM_JOB_ID=7; {lines}; printf %s "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"'],
+                           capture_output=True, text=True, cwd=hostile_dir).stdout
+    assert shown == f"{hostile_dir}/7/nccl-trace-rank-" and not (hostile_dir / "pwned").exists()
+    assert 'nccl_trace="$RUN_DIR/nccl-trace-rank-"' in sbatch_script(p, [])
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in sbatch_script(load_profile("dev"), [])  # CPU jobs have no NCCL
