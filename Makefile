@@ -19,7 +19,11 @@ IMAGE_TAR ?=
 
 REPEATS ?= 3
 
-.PHONY: help venv train test lint clean submit dev-cluster dev-cluster-down sync docker sif bench
+SWEEP ?= cluster/sweeps/example.yaml
+SWEEP_DIR ?=
+CONTAINER ?=
+
+.PHONY: help venv train test lint clean submit sweep sweep-status doctor dev-cluster dev-cluster-down sync docker sif bench
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -45,6 +49,15 @@ lint: venv  ## ruff and mypy
 submit: venv  ## submit to Slurm: CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..."
 	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \
 		$(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) -- $(ARGS)
+
+sweep: venv  ## submit a sweep as one Slurm job array: SWEEP=cluster/sweeps/example.yaml DRY_RUN=1 WAIT=1
+	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait)
+
+sweep-status: venv  ## a sweep's trials ranked by its metric: SWEEP_DIR=sweeps/… (default: the newest)
+	@$(BIN)/python -m cluster sweep-status $(if $(SWEEP_DIR),'$(SWEEP_DIR)')
+
+doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
+	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container '$(CONTAINER)') $(ARGS)
 
 dev-cluster:  ## start a real 2-node Slurm (with accounting) on this machine (root, Debian/Ubuntu)
 	bash slurm/dev-cluster.sh up

@@ -62,6 +62,8 @@ class Profile:
     """Seconds before the time limit that the signal is sent (enough for one save)."""
     max_requeues: int = 3
     """Requeues after a preemption or time-limit save before the job gives up."""
+    doctor: bool = False
+    """Run `python -m trainer.doctor` over the allocation before training (DOCTOR=0|1 at submit time overrides)."""
     python: str = "python"
     """Python on the compute nodes; 'python' means the interpreter that submits (same venv)."""
     log_dir: str = "runs/slurm"

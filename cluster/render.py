@@ -94,7 +94,7 @@ def flight_recorder(p: Profile, folder: str) -> list[str]:
     ]
 
 
-def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
+def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer") -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
     inside = container_prefix(p)
     py = "python3" if inside else shlex.quote(python)
@@ -102,7 +102,7 @@ def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
     overrides = "".join(f" {shlex.quote(a)}" for a in [f"checkpoint.signal=SIG{p.signal}", *args])
     overrides += ' run.dir="$RUN_DIR" "$@"'
     if p.launch == "srun":
-        return [f"{srun} {py} -m trainer{overrides}"]
+        return [f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.
@@ -113,7 +113,19 @@ def launch_line(p: Profile, python: str, args: list[str]) -> list[str]:
         f"{srun} {ignore}{py} -m torch.distributed.run \\",
         f'    --nnodes="$SLURM_NNODES" --nproc-per-node={p.ntasks_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \\',
-        f"    -m trainer{overrides}",
+        f"    -m {module}{overrides}",
+    ]
+
+
+def doctor_step(p: Profile, launch: list[str]) -> list[str]:
+    """The optional preflight step: the doctor, launched exactly as training is; a failure ends the job."""
+    return [
+        f"# Preflight checks on every node and GPU (profile doctor: {str(p.doctor).lower()}; DOCTOR=0|1 overrides).",
+        f'if [[ "${{DOCTOR:-{int(p.doctor)}}}" == 1 ]]; then',
+        *(f"  {line}" for line in launch[:-1]),
+        f"  {launch[-1]} \\",
+        '    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }',
+        "fi",
     ]
 
 
@@ -140,6 +152,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
         "done",
         'rm -f "$RUN_DIR/requeue.json"  # only this run\'s own marker may trigger a requeue',
+        *doctor_step(p, launch_line(p, python, args, module="trainer.doctor")),
         "rc=0",
         *launch[:-1],
         launch[-1] + " || rc=$?",

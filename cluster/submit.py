@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.profile import Profile
-from cluster.render import container_prefix, dq, flight_recorder, render_sbatch
+from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch
 from cluster.task import TrainTask
 from trainer.config import load as load_train_config
 from trainer.errors import UserError
@@ -35,8 +35,9 @@ def sbatch_script(p: Profile, args: list[str]) -> str:
                          run_dir=run_dir)
 
 
-def executor(p: Profile, run_dir: str | None = None) -> Any:
-    """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given)."""
+def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None) -> Any:
+    """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given; ``args``:
+    the training overrides, which the optional preflight doctor checks with)."""
     import submitit
 
     folder = Path(p.log_dir) / "%j"
@@ -54,6 +55,10 @@ def executor(p: Profile, run_dir: str | None = None) -> Any:
                   'rm -f "$RUN_DIR/requeue.json"']
         teardown = [f'if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then',
                     '  scontrol requeue "$SLURM_JOB_ID"', "fi"]
+    py = "python3" if inside else shlex.quote(python_for(p))
+    doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
+    doctor += "".join(f" {shlex.quote(a)}" for a in args or []) + (' run.dir="$RUN_DIR"' if inside else "")
+    setup += doctor_step(p, [doctor])
     params: dict[str, Any] = {
         "name": p.job_name,
         "nodes": p.nodes,
@@ -80,7 +85,7 @@ def executor(p: Profile, run_dir: str | None = None) -> Any:
 
 def submitit_script(p: Profile, args: list[str]) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
-    inner = executor(p, split_run_dir(args)[1])._executor
+    inner = executor(p, split_run_dir(args)[1], args)._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
@@ -136,7 +141,7 @@ def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
 
 
 def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
-    ex = executor(p, split_run_dir(args)[1])
+    ex = executor(p, split_run_dir(args)[1], args)
     job = ex.submit(TrainTask(["checkpoint.signal=SIGUSR2", *args], p.max_requeues))
     print(f"submitted job {job.job_id} (submitit, {p.nodes} node(s), profile {p.name})")
     print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")

@@ -88,7 +88,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] | None = None,
+                module: str = "trainer") -> list[subprocess.Popen[str]]:
     """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between.
 
     Each rank leads its own process group, so a test can signal a rank together with its
@@ -99,7 +100,7 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
     for rank in range(world):
         rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd, env=clean_env(rank_env),
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=clean_env(rank_env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     return procs

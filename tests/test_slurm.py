@@ -60,7 +60,8 @@ def cluster_cmd(args: list[str], env: dict[str, str], timeout: float = 300) -> s
 
 
 def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
-    proc = sh(["make", "submit", "NODES=2", "CLUSTER=dev", "WAIT=1", f"ARGS={' '.join(SMALL)}"], slurm_env)
+    env = {**slurm_env, "DOCTOR": "1"}  # sbatch passes it on: the batch script runs the preflight doctor first
+    proc = sh(["make", "submit", "NODES=2", "CLUSTER=dev", "WAIT=1", f"ARGS={' '.join(SMALL)}"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = re.findall(r"rank (\d): world size (\d), parameter checksum (\w+)", proc.stdout)
     assert [r[0] for r in ranks] == ["0", "1"] and {r[1] for r in ranks} == {"2"}
@@ -70,6 +71,7 @@ def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     rank0 = Path(logs.group(1))
     rank1 = Path(str(rank0).replace("_0_log.out", "_1_log.out"))
     assert "done: test accuracy" in rank0.read_text()
+    assert "doctor: 2 rank(s) on 2 node(s)" in rank0.read_text() and "doctor: all checks passed" in rank0.read_text()
     assert "epoch" not in rank1.read_text() and "done:" not in rank1.read_text()  # only rank 0 speaks
 
 
@@ -78,14 +80,15 @@ def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, la
     run = tmp_path / "run"
     env = {**slurm_env, "WANDB_API_KEY": "secret-key-7f3a"}  # must never reach a script or a log
     args = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=auto"]
-    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--set", f"launch={launch}", "--", *args, f"run.dir={run}"],
-                       env)
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--set", f"launch={launch}", "--set", "doctor=true", "--", *args,
+                        f"run.dir={run}"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((run / "result.json").read_text())
     assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1
     log = ROOT / re.search(r"log:\s+(\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
     text = log.read_text()
     assert f"via {'torchrun' if launch == 'torchrun' else 'slurm'}" in text
+    assert "doctor: all checks passed" in text and text.index("doctor:") < text.index("done: test accuracy")
     for f in [log, *run.rglob("*")]:
         if f.is_file():
             assert b"secret-key-7f3a" not in f.read_bytes(), f

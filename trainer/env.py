@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -87,6 +88,32 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         gpus_on_node=_int(env, "SLURM_GPUS_ON_NODE", "set by Slurm", default=0),
         wandb_key=key,
     )
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the preflight doctor reports about this process's host (not passed into containers)."""
+
+    cuda_visible_devices: str | None
+    """CUDA_VISIBLE_DEVICES as this process sees it (Slurm's GPU binding, or the user's); None when unset."""
+    container: str | None
+    """The container runtime this process runs under (apptainer, docker, podman), or None."""
+    node: str
+    """Slurm's name for this node (SLURMD_NODENAME), else the host name."""
+
+
+def host_facts(environ: Mapping[str, str] | None = None, root: str = "/") -> HostFacts:
+    """GPU visibility and container markers, for `python -m trainer.doctor`."""
+    env = os.environ if environ is None else environ
+    container = None
+    if env.get("APPTAINER_CONTAINER") or env.get("SINGULARITY_CONTAINER"):
+        container = "apptainer"
+    elif os.path.exists(os.path.join(root, ".dockerenv")):
+        container = "docker"
+    elif os.path.exists(os.path.join(root, "run", ".containerenv")):
+        container = "podman"
+    return HostFacts(cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), container=container,
+                     node=env.get("SLURMD_NODENAME") or socket.gethostname())
 
 
 def without_placement(environ: Mapping[str, str]) -> dict[str, str]:

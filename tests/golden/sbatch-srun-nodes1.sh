@@ -22,6 +22,11 @@ for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
 rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
+# Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
+if [[ "${DOCTOR:-0}" == 1 ]]; then
+  srun --kill-on-bad-exit=1 <python> -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
+    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }
+fi
 rc=0
 srun --kill-on-bad-exit=1 <python> -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
 

@@ -22,6 +22,16 @@ for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
 rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
+# Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
+if [[ "${DOCTOR:-0}" == 1 ]]; then
+  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  port=$(( 15000 + SLURM_JOB_ID % 15000 ))
+  srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+      --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
+      --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
+      -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
+    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }
+fi
 rc=0
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$(( 15000 + SLURM_JOB_ID % 15000 ))

@@ -1,0 +1,373 @@
+"""Preflight doctor: ``python -m trainer.doctor [--container RUNTIME:IMAGE] [key=value ...]``.
+
+Run it the way training runs (``srun python -m trainer.doctor`` in an allocation, ``make doctor`` locally,
+or as the first step of a batch script): every rank checks what concerns it, rank 0 prints one pass/fail
+table for the whole job, and every rank exits 1 when any check failed anywhere (0 otherwise, 2 on bad input).
+Takes the trainer's own overrides, so it checks the run folder, backend and tracking mode training will use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer import config as config_mod
+from trainer.config import Config
+from trainer.env import DistEnv, HostFacts, JobInfo, discover, host_facts, job_info, without_placement
+from trainer.errors import EXIT_BAD_INPUT, UserError
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
+NODE = socket.gethostname()
+"""This node's name in messages: Slurm's (SLURMD_NODENAME) when run() knows it."""
+EXIT_FAILED = 1
+
+
+@dataclass
+class Check:
+    """One row of the table, as one rank saw it."""
+
+    name: str
+    status: str
+    detail: str
+    hint: str = ""
+
+
+# ---- checks that need no other rank --------------------------------------------------------------
+
+def check_versions() -> Check:
+    """torch, CUDA and NCCL versions (information; fails only when torch has no distributed support)."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if torch.cuda.is_available():
+        parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+    if not dist.is_available():
+        return Check("versions", FAIL, ", ".join(parts) + ": built without torch.distributed",
+                     "install a torch wheel from pytorch.org (the default ones include distributed)")
+    return Check("versions", PASS, ", ".join(parts))
+
+
+def check_gpus(cfg: Config, env: DistEnv, facts: HostFacts, info: JobInfo) -> Check:
+    """GPUs visible to this process against the tasks on its node and CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cvd = f"CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices}" if facts.cuda_visible_devices is not None \
+        else "CUDA_VISIBLE_DEVICES unset"
+    if count == 0:
+        if cfg.train.device == "cuda" or info.gpus_on_node:
+            return Check("gpus", FAIL, f"torch sees no GPU ({cvd}; Slurm allocated {info.gpus_on_node} on this node)",
+                         "check the driver (nvidia-smi), `--nv` for apptainer / `--gpus` for docker, "
+                         "and that the torch wheel is a CUDA build")
+        return Check("gpus", SKIP, f"no GPU ({cvd}): training runs on the CPU")
+    tasks = env.local_world_size
+    if tasks > count and count != 1:  # one visible GPU per task is Slurm's per-task binding: fine
+        return Check("gpus", FAIL, f"{tasks} processes on this node but {count} GPUs visible ({cvd})",
+                     "start one process per GPU: ntasks-per-node = gpus-per-node (profile tasks_per_node: 0)")
+    if count > tasks:
+        return Check("gpus", WARN, f"{count} GPUs visible, {tasks} processes on this node: {count - tasks} idle ({cvd})",
+                     "raise tasks per node to the GPU count, or allocate fewer GPUs")
+    return Check("gpus", PASS, f"{count} visible, local rank {env.local_rank} → cuda:{env.local_rank if count > 1 else 0}"
+                 f" ({cvd})")
+
+
+def check_master(env: DistEnv) -> Check:
+    """MASTER_ADDR resolves here; on the head node (rank 0) the rendezvous port can be bound."""
+    if env.world_size == 1:
+        return Check("master", SKIP, "one process: no rendezvous")
+    try:
+        addr = str(socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        return Check("master", FAIL, f"{env.master_addr!r} does not resolve on {NODE} ({exc})",
+                     "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP")
+    where = f"{env.master_addr}:{env.master_port} ({addr})"
+    if env.rank != 0 or env.source == "torchrun":  # torchrun's agent already holds its port
+        return Check("master", PASS, f"{where} resolves")
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", env.master_port))
+        except OSError as exc:
+            return Check("master", FAIL, f"port {env.master_port} cannot be bound on {NODE} ({exc.strerror})",
+                         "another job or process uses it: set MASTER_PORT to a free port (15000-30000)")
+    return Check("master", PASS, f"{where} resolves and binds on the head node")
+
+
+def check_scontrol(env: DistEnv, facts: HostFacts) -> Check:
+    """Rank 0 requeues after a signalled save: it needs a working ``scontrol`` (or the batch shell does)."""
+    if not env.job_id:
+        return Check("scontrol", SKIP, "not in a Slurm job")
+    if env.rank != 0:
+        return Check("scontrol", SKIP, "only rank 0 requeues")
+    exe = shutil.which("scontrol")
+    if exe is None:
+        if facts.container:
+            return Check("scontrol", PASS, f"not in the {facts.container} image: the batch script requeues from outside")
+        return Check("scontrol", FAIL, "scontrol is not on PATH: a preempted job could not requeue itself",
+                     "add Slurm's bin folder to PATH in the profile's setup lines")
+    try:
+        proc = subprocess.run([exe, "show", "job", env.job_id], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return Check("scontrol", FAIL, "`scontrol show job` got no answer in 20 s", "check that slurmctld is reachable")
+    if proc.returncode:
+        return Check("scontrol", FAIL, f"`scontrol show job {env.job_id}` failed: {proc.stderr.strip()[:200]}",
+                     "check SLURM_CONF and munge on the compute nodes")
+    return Check("scontrol", PASS, f"reaches slurmctld (job {env.job_id})")
+
+
+def check_tracking(cfg: Config, env: DistEnv, info: JobInfo) -> Check:
+    """The W&B mode training would use, from rank 0 (the only rank that tracks)."""
+    if env.rank != 0:
+        return Check("tracking", SKIP, "only rank 0 tracks")
+    from trainer.tracking import resolve_mode
+
+    mode = resolve_mode(cfg.tracking.mode, info)
+    if mode == "online" and not info.wandb_key:
+        return Check("tracking", FAIL, "tracking.mode=online but no W&B key (WANDB_API_KEY or ~/.netrc)",
+                     "export WANDB_API_KEY (Slurm passes it on), or tracking.mode=offline and `make sync` later")
+    detail = {"online": "W&B online", "disabled": "W&B disabled",
+              "offline": "W&B offline: upload later with `make sync`"}[mode]
+    if cfg.tracking.mode == "auto":
+        detail += " (auto: " + ("key and route to W&B found)" if mode == "online" else "no key, or no route to W&B)")
+    return Check("tracking", PASS, detail)
+
+
+def check_container(spec: str | None, facts: HostFacts) -> Check:
+    """With ``--container RUNTIME:IMAGE``: the runtime is installed and the image is there."""
+    if not spec:
+        if facts.container:
+            return Check("container", PASS, f"running inside a {facts.container} container")
+        return Check("container", SKIP, "no container")
+    runtime, _, image = spec.partition(":")
+    if runtime == "pyxis":
+        exe = shutil.which("srun")
+    elif runtime in ("apptainer", "docker"):
+        exe = shutil.which(runtime) or (shutil.which("podman") if runtime == "docker" else shutil.which("singularity"))
+    else:
+        return Check("container", FAIL, f"unknown runtime {runtime!r}", "--container apptainer|docker|pyxis:IMAGE")
+    if exe is None:
+        return Check("container", FAIL, f"{runtime} is not installed on {NODE}",
+                     "load its module in the profile's setup lines, or use another runtime")
+    if runtime == "apptainer" or image.endswith(".sqsh"):
+        if not Path(image).is_file():
+            return Check("container", FAIL, f"image file {image!r} is missing on {NODE}",
+                         "build it with `make sif` onto storage every node shares")
+        return Check("container", PASS, f"{runtime}, {image} ({Path(image).stat().st_size / 2**30:.1f} GiB)")
+    if runtime == "docker":
+        proc = subprocess.run([exe, "image", "inspect", image], capture_output=True, text=True, timeout=60)
+        if proc.returncode:
+            return Check("container", FAIL, f"image {image!r} is not on {NODE}",
+                         "`make docker IMAGE=…` there, or `docker load` an archive")
+        return Check("container", PASS, f"{Path(exe).name}, image {image} present")
+    return Check("container", PASS, f"pyxis (srun found); {image} is pulled when the step starts")
+
+
+# ---- checks that need every rank -------------------------------------------------------------------
+
+def check_run_folder(cfg: Config, env: DistEnv) -> Check:
+    """Every rank writes a probe file; rank 0 must see all of them (a folder on shared storage)."""
+    import torch.distributed as dist
+
+    root = Path(cfg.run.dir or "runs").absolute()
+    token = [f"{env.job_id or 'local'}-{os.getpid()}-{time.time_ns() % 10**9}"]
+    dist.broadcast_object_list(token, src=0)
+    probe = root / f".doctor-{token[0]}"
+    mine: str | None = None
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / f"rank_{env.rank}").write_text(NODE)
+    except OSError as exc:
+        mine = f"cannot write {str(root)!r} on {NODE}: {exc.strerror or exc}"
+    errors: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(errors, mine)
+    dist.barrier()
+    hint = "set run.dir (or RUN_DIR) to a folder this user can write, on storage every node shares"
+    if mine:
+        return Check("run folder", FAIL, mine, hint)
+    if env.rank != 0:
+        return Check("run folder", PASS, f"{root} writable")
+    unseen = [r for r in range(env.world_size) if errors[r] is None and not (probe / f"rank_{r}").exists()]
+    shutil.rmtree(probe, ignore_errors=True)
+    if unseen:
+        return Check("run folder", FAIL, f"rank 0 cannot see the files ranks {unseen} wrote in {root}: not shared storage",
+                     hint)
+    return Check("run folder", PASS, f"{root} writable by all {env.world_size} rank(s) and shared")
+
+
+def check_all_reduce(env: DistEnv, device: object, megabytes: int) -> Check:
+    """A short all-reduce; the bus bandwidth the way nccl-tests reports it."""
+    import torch
+    import torch.distributed as dist
+
+    if env.world_size == 1:
+        return Check("all-reduce", SKIP, "one process")
+    x = torch.ones(megabytes * 2**20 // 4, device=device)  # type: ignore[call-overload]
+    dist.all_reduce(x)  # warm-up (NCCL sets up its rings here)
+    sync: Callable[[], None] = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()
+    dist.barrier()
+    t0, n = time.perf_counter(), 5
+    for _ in range(n):
+        dist.all_reduce(x)
+    sync()
+    elapsed = (time.perf_counter() - t0) / n
+    expected = float(env.world_size) ** (n + 1)  # ones, summed n+1 times across the ranks
+    if not torch.allclose(x[:1].cpu(), torch.tensor([expected])):
+        return Check("all-reduce", FAIL, f"wrong sum {x[0].item()} (expected {expected})", "a broken interconnect or driver")
+    bus = x.numel() * 4 / elapsed * 2 * (env.world_size - 1) / env.world_size / 1e9
+    backend = dist.get_backend()
+    return Check("all-reduce", PASS, f"{backend}, {megabytes} MiB: {elapsed * 1e3:.1f} ms, bus bandwidth {bus:.2f} GB/s")
+
+
+def check_transport(env: DistEnv, debug_dir: Path | None) -> Check:
+    """From NCCL's own INFO log: InfiniBand, sockets, or node-local paths between the GPUs."""
+    if debug_dir is None:
+        return Check("nccl transport", SKIP, "CPU run (gloo)")
+    text = "".join(p.read_text(errors="replace") for p in debug_dir.glob("nccl.*"))
+    used = sorted({part.split()[0] for part in text.split(" via ")[1:] if part.strip()})
+    net = "InfiniBand" if "NET/IB" in text else "sockets" if "NET/Socket" in text else "unknown"
+    detail = f"network plugin: {net}; channels via {', '.join(used) or 'n/a'}"
+    if env.num_nodes > 1 and net == "sockets":
+        return Check("nccl transport", WARN, detail + ": TCP sockets between nodes",
+                     "on InfiniBand clusters load the IB stack in the image and check NCCL_IB_HCA / NCCL_SOCKET_IFNAME")
+    return Check("nccl transport", PASS, detail)
+
+
+# ---- the table -----------------------------------------------------------------------------------------
+
+def merge(per_rank: list[list[Check]], hosts: list[str]) -> list[Check]:
+    """One row per check for the whole job: failures name their ranks; otherwise rank 0's view."""
+    rows = []
+    for i, first in enumerate(per_rank[0]):
+        views = [(r, checks[i]) for r, checks in enumerate(per_rank) if i < len(checks)]
+        for status in (FAIL, WARN, PASS, SKIP):
+            bad = [(r, c) for r, c in views if c.status == status]
+            if bad:
+                break
+        if status in (FAIL, WARN):
+            shown = "; ".join(f"rank {r} ({hosts[r]}): {c.detail}" for r, c in bad[:3])
+            more = f" (and {len(bad) - 3} more ranks)" if len(bad) > 3 else ""
+            rows.append(Check(first.name, status, (shown if len(views) > 1 else bad[0][1].detail) + more, bad[0][1].hint))
+        else:
+            rows.append(next(c for r, c in views if c.status == status))
+    return rows
+
+
+def render(rows: list[Check], header: str) -> str:
+    """The pass/fail table, with a HINT under every failure or warning."""
+    width = max(len(r.name) for r in rows)
+    lines = [header, f"{'check':<{width}}  result  detail"]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {r.status:<6}  {r.detail}")
+        if r.status in (FAIL, WARN) and r.hint:
+            lines.append(f"{'':<{width}}          HINT: {r.hint}")
+    failed = [r.name for r in rows if r.status == FAIL]
+    lines.append(f"doctor: {len(failed)} check(s) failed: {', '.join(failed)}" if failed else "doctor: all checks passed")
+    return "\n".join(lines)
+
+
+def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) -> int:
+    """Check this process's part, gather every rank's rows, print the table on rank 0; 1 if anything failed."""
+    cfg = config_mod.load(args)
+    cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
+    global NODE
+    env, facts, info = discover(), host_facts(), job_info()
+    host = NODE = facts.node
+    checks = [check_versions(), check_gpus(cfg, env, facts, info), check_master(env), check_scontrol(env, facts),
+              check_tracking(cfg, info=info, env=env), check_container(container, facts)]
+
+    import torch
+
+    from trainer import dist as tdist
+
+    debug_dir = None
+    try:
+        device = tdist.pick_device(env, cfg.train.device)
+        if device.type == "cuda":
+            # NCCL reads these at start-up; this process exists only to check, so it may set them for itself.
+            debug_dir = Path(tempfile.mkdtemp(prefix="doctor-nccl-"))
+            os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=f"{debug_dir}/nccl.%h.%p")
+        tdist.setup(env, cfg, device)
+    except Exception as exc:  # no process group: no gathered table; each rank reports its own failures
+        if isinstance(exc, UserError):
+            message, hint = f"{exc.field}: {exc.message}", exc.hint
+        else:
+            message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            hint = "start every rank as training does (srun in the allocation, or torchrun), within --timeout of each other"
+        checks.append(Check("process group", FAIL, f"rank {env.rank} on {host}: {message}", hint))
+        if env.rank == 0:
+            print(render(checks, f"doctor: rank 0 of {env.world_size} on {host} (no process group: this rank only)"))
+        else:
+            for c in checks:
+                if c.status == FAIL:
+                    print(f"doctor: rank {env.rank} ({host}): {c.name}: FAIL {c.detail}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        checks.append(Check("process group", PASS, f"{torch.distributed.get_backend()}, {env.world_size} rank(s) on "
+                            f"{env.num_nodes} node(s), via {env.source}"))
+        checks.append(check_run_folder(cfg, env))
+        checks.append(check_all_reduce(env, device, 64 if device.type == "cuda" else 8))
+        checks.append(check_transport(env, debug_dir))
+        per_rank: list[list[Check] | None] = [None] * env.world_size
+        hosts: list[str | None] = [None] * env.world_size
+        torch.distributed.all_gather_object(per_rank, checks)
+        torch.distributed.all_gather_object(hosts, host)
+        rows = merge([c or [] for c in per_rank], [h or "?" for h in hosts])
+        if env.rank == 0:
+            where = f"Slurm job {env.job_id}" if env.job_id else env.source
+            print(render(rows, f"doctor: {env.world_size} rank(s) on {env.num_nodes} node(s) ({where})"), flush=True)
+        torch.distributed.barrier()
+    finally:
+        tdist.teardown()
+        if debug_dir:
+            shutil.rmtree(debug_dir, ignore_errors=True)
+    return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
+
+
+def spawn_local(n: int, argv: list[str]) -> int:
+    """``--local N``: N ranks on this machine, placed as torchrun would (without its agent's noise on failure)."""
+    with socket.socket() as s:  # a free port, not a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = without_placement(os.environ)
+    procs = [subprocess.Popen([sys.executable, "-m", "trainer.doctor", *argv],
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
+                                   "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(n)]
+    return max(p.wait() for p in procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the checks; exit 0 (all passed), 1 (a check failed) or 2 (bad arguments)."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--container", metavar="RUNTIME:IMAGE", help="check that apptainer|docker|pyxis and the image exist")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other ranks (default 60)")
+    parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (what `make doctor` does)")
+    parser.add_argument("args", nargs="*", help="training overrides key=value (run.dir, tracking.mode, dist.backend …)")
+    ns = parser.parse_args(argv)
+    if ns.local:
+        return spawn_local(ns.local, [a for a in (argv if argv is not None else sys.argv[1:])
+                                      if a != "--local" and a != str(ns.local) and not a.startswith("--local=")])
+    try:
+        return run(ns.args, ns.container, ns.timeout)
+    except UserError as err:
+        print(err.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
