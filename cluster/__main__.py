@@ -1,4 +1,5 @@
-"""``python -m cluster submit|render``: what `make submit` and the template regeneration call."""
+"""``python -m cluster submit|render|sweep|sweep-status``: what `make submit`, `make sweep` and the template
+regeneration call."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import sys
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
 from cluster.submit import submit
+from cluster.sweep import run as run_sweep
+from cluster.sweep import show_status
 from trainer.errors import EXIT_BAD_INPUT, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and submit, dry-run or render; exit 2 on bad input."""
+    """Parse the command line and submit, dry-run, render, sweep or show a sweep; exit 2 on bad input."""
     parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", help="submit training to Slurm")
@@ -26,9 +29,24 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("render", help="print the sbatch template for a profile (hand-run scripts in slurm/)")
     r.add_argument("--cluster", default="example-h100")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    w = sub.add_parser("sweep", help="submit a hyper-parameter sweep as one Slurm job array")
+    w.add_argument("spec", help="sweep YAML, e.g. cluster/sweeps/example.yaml")
+    w.add_argument("--dry-run", action="store_true", help="print the trials and the array's batch script; submit nothing")
+    w.add_argument("--wait", action="store_true", help="wait for every trial, print the table; exit 1 if one failed")
+    w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a profile key (after the spec's profile:)")
+    st = sub.add_parser("sweep-status", help="print a sweep's trials ranked by its metric")
+    st.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
     ns = parser.parse_args(argv)
     try:
-        overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set if "=" in kv)
+        if ns.command == "sweep-status":
+            return show_status(ns.sweep_dir)
+        bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
+        if bad:
+            raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")
+        overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set)
+        if ns.command == "sweep":
+            return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait)
         if ns.command == "render":
             p = load_profile(ns.cluster, overrides)
             sets = "".join(f" --set {kv}" for kv in ns.set)
