@@ -6,6 +6,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,27 @@ def test_grid_sweep_runs_as_one_throttled_array_on_the_dev_cluster(slurm_env: di
     assert [float(r[4]) for r in rows] == [round(results[i], 4) for i in ranked]
     assert [(float(r[1]), int(r[2])) for r in rows] == [expected[i] for i in ranked]
     assert lines[-1].endswith(str(folder / "trials" / str(ranked[0])))
+
+
+def test_a_preempted_trial_requeues_and_resumes_on_its_own(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    args = [a for a in SMALL if not a.startswith("train.epochs")] + ["train.epochs=2", "debug.step_delay_s=0.3"]
+    path = write(tmp_path, f"""
+name: rq
+profile: {{nodes: 1}}
+max_parallel: 2
+args: {json.dumps(args)}
+parameters:
+  optim.lr: [0.05, 0.1]
+""")
+    proc = sh([sys.executable, "-m", "cluster", "sweep", str(path)], slurm_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = next((tmp_path / "sweeps").iterdir())
+    array = json.loads((folder / "sweep.json").read_text())["array_job_id"]
+    wait_for(lambda: (folder / "trials" / "0" / "config.yaml").exists(), what="trial 0 to start")
+    time.sleep(6)  # a few steps in
+    assert sh(["scancel", "--signal=USR2", f"{array}_0"], slurm_env).returncode == 0
+    wait_for(lambda: all((folder / "trials" / str(i) / "result.json").exists() for i in (0, 1)), timeout=240,
+             what="both trials to finish")
+    first, second = (json.loads((folder / "trials" / str(i) / "result.json").read_text()) for i in (0, 1))
+    assert first["resumed_from"] and "trials/0/checkpoints/step_" in first["resumed_from"]
+    assert second["resumed_from"] is None and first["global_step"] == second["global_step"]
