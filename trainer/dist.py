@@ -28,6 +28,18 @@ def pick_device(env: DistEnv, want: str) -> torch.device:
                     "start at most one process per GPU on each node (ntasks-per-node = gpus-per-node)")
 
 
+def resolve_master(env: DistEnv) -> str:
+    """MASTER_ADDR's address as this node resolves it; a UserError (with the fix) when it does not."""
+    try:
+        return str(socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        raise UserError(
+            "MASTER_ADDR",
+            f"host {env.master_addr!r} does not resolve on {socket.gethostname()}",
+            "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP",
+        ) from None
+
+
 def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
     """Join the process group of all ranks; a lone process gets an in-memory group (no port needed)."""
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -40,15 +52,7 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
-    try:
-        socket.getaddrinfo(env.master_addr, env.master_port)
-    except OSError:
-        # Without this check the rendezvous retries an unknown host for many minutes.
-        raise UserError(
-            "MASTER_ADDR",
-            f"host {env.master_addr!r} does not resolve on {socket.gethostname()}",
-            "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP",
-        ) from None
+    resolve_master(env)  # without this check the rendezvous retries an unknown host for many minutes
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     dist.init_process_group(
         backend,

@@ -27,8 +27,8 @@ from trainer.env import DistEnv, HostFacts, JobInfo, discover, host_facts, job_i
 from trainer.errors import EXIT_BAD_INPUT, UserError
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
-NODE = socket.gethostname()
-"""This node's name in messages: Slurm's (SLURMD_NODENAME) when run() knows it."""
+NODE = host_facts().node
+"""This node's name in messages: Slurm's (SLURMD_NODENAME), else the host name."""
 EXIT_FAILED = 1
 
 
@@ -88,11 +88,12 @@ def check_master(env: DistEnv) -> Check:
     """MASTER_ADDR resolves here; on the head node (rank 0) the rendezvous port can be bound."""
     if env.world_size == 1:
         return Check("master", SKIP, "one process: no rendezvous")
+    from trainer.dist import resolve_master
+
     try:
-        addr = str(socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)[0][4][0])
-    except OSError as exc:
-        return Check("master", FAIL, f"{env.master_addr!r} does not resolve on {NODE} ({exc})",
-                     "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP")
+        addr = resolve_master(env)
+    except UserError as err:
+        return Check("master", FAIL, f"{env.master_addr!r} does not resolve on {NODE}", err.hint)
     where = f"{env.master_addr}:{env.master_port} ({addr})"
     if env.rank != 0 or env.source == "torchrun":  # torchrun's agent already holds its port
         return Check("master", PASS, f"{where} resolves")
@@ -192,8 +193,7 @@ def check_run_folder(cfg: Config, env: DistEnv) -> Check:
     except OSError as exc:
         mine = f"cannot write {str(root)!r} on {NODE}: {exc.strerror or exc}"
     errors: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(errors, mine)
-    dist.barrier()
+    dist.all_gather_object(errors, mine)  # every rank has written (or failed) once this returns
     hint = "set run.dir (or RUN_DIR) to a folder this user can write, on storage every node shares"
     if mine:
         return Check("run folder", FAIL, mine, hint)
@@ -283,9 +283,8 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     """Check this process's part, gather every rank's rows, print the table on rank 0; 1 if anything failed."""
     cfg = config_mod.load(args)
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
-    global NODE
     env, facts, info = discover(), host_facts(), job_info()
-    host = NODE = facts.node
+    host = facts.node
     checks = [check_versions(), check_gpus(cfg, env, facts, info), check_master(env), check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
 
@@ -360,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs="*", help="training overrides key=value (run.dir, tracking.mode, dist.backend …)")
     ns = parser.parse_args(argv)
     if ns.local:
-        return spawn_local(ns.local, [a for a in (argv if argv is not None else sys.argv[1:])
-                                      if a != "--local" and a != str(ns.local) and not a.startswith("--local=")])
+        rank_argv = [*(["--container", ns.container] if ns.container else []), f"--timeout={ns.timeout}", *ns.args]
+        return spawn_local(ns.local, rank_argv)
     try:
         return run(ns.args, ns.container, ns.timeout)
     except UserError as err:

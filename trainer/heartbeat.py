@@ -39,11 +39,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def beat(self, phase: str, step: int | None = None, lockstep: bool = True) -> None:
-        """Record progress; ``lockstep`` beats happen on every rank in the same order (they count in ``seq``)."""
-        if lockstep:
-            self.seq += 1
-            self.phase = phase
+    def beat(self, phase: str, step: int | None = None) -> None:
+        """Record progress at a point every rank passes in the same order (counted in ``seq``)."""
+        self.seq += 1
+        self.phase = phase
         if step is not None:
             self.step = step
         self.last = time.monotonic()
