@@ -52,12 +52,14 @@ is_up() { [[ -S $SOCK ]] && dk info >/dev/null 2>&1; }
 # pid from FILE if that process is alive and is one of ours (its command line names
 # the state folder), so a stale pid file can never make us signal a stranger.
 our_pid() {
-  local file=$1 pid
+  local file=$1 pid cmd
   [[ -s $file ]] || return 1
   pid=$(<"$file")
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [[ -r /proc/$pid/cmdline ]] || return 1
-  tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF -- "$STATE" || return 1
+  # Read into a variable, not through a pipe: with pipefail, `tr | grep -q` can
+  # fail on SIGPIPE although the name is there.
+  cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
+  [[ $cmd == *"$STATE"* ]] || return 1
   echo "$pid"
 }
 
@@ -100,15 +102,16 @@ container_ids() {
 # our containerd's address (the shims, which outlive containerd by design).
 # Used only when a daemon died without cleaning up.
 leftover_pids() {
-  local ids p
+  local ids p cmd
   mapfile -t ids < <(container_ids)
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
     [[ $p == "$$" || $p == "$BASHPID" ]] && continue
     if ((${#ids[@]})) && grep -qF "${ids[@]/#/-e}" "/proc/$p/cgroup" 2>/dev/null; then
       echo "$p"
-    elif tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -qF -- "-address $CTRD_SOCK "; then
-      echo "$p"
+    else
+      cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline") || continue
+      if [[ $cmd == *"-address $CTRD_SOCK "* ]]; then echo "$p"; fi
     fi
   done
 }
@@ -196,6 +199,9 @@ install_docker() {
 # the daemon's parent is PID 1 (which here reaps only lazily, see alive()).
 # The inner sh writes its pid to PIDFILE, then becomes the daemon by exec.
 # 9>&-: the daemon must not inherit the lock (see take_lock).
+# Sets SPAWNED to the daemon's pid: while it starts, we watch that pid itself
+# (our_pid's command-line check is for pid files of unknown age, in `down`).
+SPAWNED=
 spawn() {
   local pidfile=$1 logfile=$2 i
   shift 2
@@ -204,7 +210,7 @@ spawn() {
   setsid -f sh -c 'echo $$ >"$1"; shift; exec "$@"' sh "$pidfile" "$@" \
     </dev/null >"$logfile" 2>&1 9>&-
   for ((i = 0; i < 50; i++)); do
-    [[ -s $pidfile ]] && return 0
+    if [[ -s $pidfile ]] && SPAWNED=$(<"$pidfile") && [[ $SPAWNED =~ ^[0-9]+$ ]]; then return 0; fi
     sleep 0.1
   done
   die "could not start $1"
@@ -213,7 +219,12 @@ spawn() {
 # Failed start: show why, stop whatever did start, keep the folder (logs).
 start_failed() {
   local logfile=$1 msg=$2
-  tail -n 20 "$logfile" >&2 || true
+  if [[ -s $logfile ]]; then
+    log "last lines of $logfile:"
+    tail -n 20 "$logfile" >&2 || true
+  else
+    log "$logfile is empty"
+  fi
   stop_engine
   die "$msg; log: $logfile"
 }
@@ -245,8 +256,7 @@ EOF
     containerd --config "$CTRD_DIR/config.toml"
   for ((i = 0; i < 300; i++)); do
     [[ -S $CTRD_SOCK ]] && break
-    our_pid "$STATE/containerd.pid" >/dev/null \
-      || start_failed "$STATE/containerd.log" "containerd exited at start"
+    alive "$SPAWNED" || start_failed "$STATE/containerd.log" "containerd exited at start"
     sleep 0.1
   done
   [[ -S $CTRD_SOCK ]] \
@@ -276,8 +286,7 @@ EOF
   spawn "$STATE/dockerd.pid" "$STATE/dockerd.log" dockerd "${args[@]}"
   for ((i = 0; i < 600; i++)); do
     is_up && return 0
-    our_pid "$STATE/dockerd.pid" >/dev/null \
-      || start_failed "$STATE/dockerd.log" "dockerd exited before answering"
+    alive "$SPAWNED" || start_failed "$STATE/dockerd.log" "dockerd exited before answering"
     sleep 0.1
   done
   start_failed "$STATE/dockerd.log" "dockerd did not answer on $SOCK within 60 s"
