@@ -129,6 +129,13 @@ def checkpoint_cost(repeats: int, tmp: Path, model_name: str) -> dict[str, Any]:
              "batches_in_epoch": 1}}
     size = len(_serialized(state))
     raw, sync, stall = [], [], []
+    # One checkpointer for all async saves, as in a run: its first save allocates the host buffers that
+    # every later one reuses (reported apart), the steady state is what a long run sees.
+    a = ckpt.Checkpointer(tmp / "async", True, keep=2)
+    t = time.perf_counter()
+    a.save(state, 0, blocking=False)
+    first_stall = time.perf_counter() - t
+    a.wait()
     for i in range(repeats):
         path = tmp / f"raw{i}.pt"
         t = time.perf_counter()
@@ -141,14 +148,14 @@ def checkpoint_cost(repeats: int, tmp: Path, model_name: str) -> dict[str, Any]:
         t = time.perf_counter()
         c.save(state, 1)
         sync.append(time.perf_counter() - t)
-        a = ckpt.Checkpointer(tmp / f"ak{i}", True, keep=2)
         t = time.perf_counter()
-        a.save(state, 1, blocking=False)
+        a.save(state, i + 1, blocking=False)
         stall.append(time.perf_counter() - t)
         a.wait()
     r, s, st = statistics.median(raw), statistics.median(sync), statistics.median(stall)
     return {"model": model_name, "state_mb": size / 2**20, "raw_torch_save_s": r, "sync_save_s": s,
-            "speed_vs_raw": r / s, "async_stall_s": st, "async_stall_vs_sync": st / s}
+            "speed_vs_raw": r / s, "async_stall_s": st, "async_stall_vs_sync": st / s,
+            "async_first_stall_s": first_stall}
 
 
 def _serialized(state: dict[str, Any]) -> bytes:
@@ -283,11 +290,14 @@ def render(results: dict[str, Any]) -> str:
             f"| bare loop | {t['bare_samples_per_s']:.0f} | {t['bare_launch_to_first_step_s']:.2f} |",
             "", f"Ratio trainer / bare: **{t['ratio']:.2f}×** (target ≥ 1.05×)."]
     out += ["", "## 3. Checkpoint cost", "", "| model | state (MB) | raw torch.save+fsync (s) | our sync save (s) | "
-            "speed vs raw | async stall (s) | stall vs sync |", "|---|---|---|---|---|---|---|"]
+            "speed vs raw | async stall (s) | stall vs sync | first async stall (s) |", "|---|---|---|---|---|---|---|---|"]
     for c in results["checkpoint"]:
         out.append(f"| {c['model']} | {c['state_mb']:.1f} | {c['raw_torch_save_s']:.3f} | {c['sync_save_s']:.3f} | "
-                   f"{100 * c['speed_vs_raw']:.0f} % | {c['async_stall_s']:.3f} | {100 * c['async_stall_vs_sync']:.0f} % |")
-    out += ["", "Targets: sync save ≥ 90 % of raw speed; async stall ≤ 10 % of a sync save.", "",
+                   f"{100 * c['speed_vs_raw']:.0f} % | {c['async_stall_s']:.3f} | {100 * c['async_stall_vs_sync']:.0f} % | "
+                   f"{c['async_first_stall_s']:.3f} |")
+    out += ["", "Targets: sync save ≥ 90 % of raw speed; async stall ≤ 10 % of a sync save. The async stall is the "
+            "steady state (later saves copy into host buffers the first one allocated); the first save's stall is "
+            "shown apart.", "",
             "## 4. Launch overhead", "",
             f"Local torchrun, launch → first optimizer step: trainer {t['trainer_launch_to_first_step_s']:.2f} s, "
             f"bare loop {t['bare_launch_to_first_step_s']:.2f} s.", ""]

@@ -217,3 +217,21 @@ def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_p
     assert "Traceback" not in proc.stderr
     assert [m.name for m in ckpt.committed(run / "checkpoints")] == ["step_00000010.json"]
     ckpt.verify(run / "checkpoints" / "step_00000010.json")
+
+
+def test_async_staging_reuses_its_host_buffers() -> None:
+    """The stall of an async save is one copy into buffers kept from the last save, not a fresh allocation."""
+    staging = ckpt._Staging()
+    weight = torch.randn(64, 32)
+    state = {"model": {"w": weight}, "optimizer": {"state": {0: {"momentum": torch.ones(64, 32)}}}, "step": 1}
+    first = staging.stage(state)
+    assert torch.equal(first["model"]["w"], weight) and first["model"]["w"] is not weight
+    ptr = first["model"]["w"].data_ptr()
+    weight.add_(1.0)  # training goes on: the staged copy must not follow
+    assert not torch.equal(first["model"]["w"], weight)
+    second = staging.stage(state)
+    assert second["model"]["w"].data_ptr() == ptr and torch.equal(second["model"]["w"], weight)
+    assert second["step"] == 1 and torch.equal(second["optimizer"]["state"][0]["momentum"], torch.ones(64, 32))
+    state["model"]["w"] = torch.zeros(8)  # a changed shape gets a buffer of its own
+    third = staging.stage(state)
+    assert third["model"]["w"].shape == (8,) and third["model"]["w"].data_ptr() != ptr

@@ -116,7 +116,8 @@ class CheckpointConfig:
     keep: int = 3
     """Complete checkpoints kept in the run folder (older ones are deleted)."""
     async_save: bool = False
-    """Write periodic checkpoints in a background thread after a copy to host memory."""
+    """Write periodic checkpoints in a background thread; training pauses only to copy the state into host
+    buffers kept for the run (one extra host copy of the model and optimizer state)."""
     signal: str = "SIGUSR2"
     """Signal that asks for save-and-requeue (SIGTERM always does too)."""
     poll_steps: int = 10
