@@ -43,3 +43,27 @@ def test_cpu_bf16_autocast_runs(tmp_path: Path) -> None:
     run = tmp_path / "run"
     ok(run_trainer([*SMALL, f"run.dir={run}", "train.precision=bf16"], tmp_path))
     assert result_of(run)["global_step"] == 32
+
+
+@needs_gpu
+def test_async_staging_of_gpu_state_is_pinned_host_memory() -> None:
+    from trainer import checkpoint as ckpt
+
+    staging = ckpt._Staging()
+    w = torch.randn(256, 256, device="cuda")
+    staged = staging.stage({"model": {"w": w}})["model"]["w"]
+    assert staged.device.type == "cpu" and staged.is_pinned() and torch.equal(staged, w.cpu())
+    w.mul_(2)
+    again = staging.stage({"model": {"w": w}})["model"]["w"]
+    assert again.data_ptr() == staged.data_ptr() and torch.equal(again, w.cpu())
+
+
+@needs_gpu
+def test_async_saves_on_gpu_match_sync_saves(tmp_path: Path) -> None:
+    args = [*SMALL, "train.device=cuda", "train.deterministic=true", "checkpoint.every_steps=8", "checkpoint.keep=10"]
+    ok(run_trainer([*args, f"run.dir={tmp_path / 'sync'}"], tmp_path))
+    ok(run_trainer([*args, f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true"], tmp_path))
+    for name in ("step_00000008.pt", "step_00000016.pt"):
+        s = torch.load(tmp_path / "sync" / "checkpoints" / name, weights_only=True)["model"]
+        a = torch.load(tmp_path / "async" / "checkpoints" / name, weights_only=True)["model"]
+        assert all(torch.equal(s[k], a[k]) for k in s)

@@ -85,7 +85,8 @@ class TrainConfig:
     log_every: int = 50
     """Optimizer steps between log lines when there is no terminal for a progress bar."""
     deterministic: bool = False
-    """Use deterministic algorithms only (slower on GPUs; CPU runs are deterministic anyway)."""
+    """Use deterministic algorithms only (slower on GPUs; CPU runs are deterministic anyway). On GPUs this
+    sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless already set, as cuBLAS requires."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cpu or cuda."""
 

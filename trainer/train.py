@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -149,6 +150,10 @@ class Trainer:
                  signals: tuple[int, ...]) -> None:
         self.cfg, self.env, self.device, self.preemption = cfg, env, device, preemption
         torch.manual_seed(cfg.train.seed)
+        if cfg.train.deterministic and device.type == "cuda":
+            # cuBLAS is deterministic only with a fixed workspace, read when its handle is made (first matmul,
+            # still ahead); without it torch raises from inside the first linear layer.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(cfg.train.deterministic)
         data = build_data(cfg)  # before the run folder exists: a missing data set must leave nothing behind
         self.run_dir = choose_run_dir(cfg, env)
