@@ -11,6 +11,7 @@ NODES ?=
 LAUNCHER ?= submitit
 DRY_RUN ?=
 WAIT ?=
+SET ?=
 
 IMAGE ?= slurm-ddp-trainer:latest
 BASE_IMAGE ?=
@@ -46,12 +47,12 @@ lint: venv  ## ruff and mypy
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-submit: venv  ## submit to Slurm: CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..."
+submit: venv  ## submit to Slurm: CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..." SET="profile_key=value ..."
 	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \
-		$(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) -- $(ARGS)
+		$(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) -- $(ARGS)
 
-sweep: venv  ## submit a sweep as one Slurm job array: SWEEP=cluster/sweeps/example.yaml DRY_RUN=1 WAIT=1
-	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait)
+sweep: venv  ## submit a sweep as one Slurm job array: SWEEP=cluster/sweeps/example.yaml DRY_RUN=1 WAIT=1 SET="profile_key=value ..."
+	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait)
 
 sweep-status: venv  ## a sweep's trials ranked by its metric: SWEEP_DIR=sweeps/… (default: the newest)
 	@$(BIN)/python -m cluster sweep-status $(if $(SWEEP_DIR),'$(SWEEP_DIR)')

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +85,26 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     return ex
 
 
+@contextlib.contextmanager
+def renderable() -> Iterator[None]:
+    """Let submitit's Slurm executor be built where Slurm is not installed, to print its script (dry runs).
+
+    Its constructor refuses without ``srun`` on PATH, though rendering the script never runs it.
+    """
+    from submitit.slurm.slurm import SlurmExecutor
+
+    original = SlurmExecutor.__dict__["affinity"]
+    SlurmExecutor.affinity = classmethod(lambda cls: 1)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        SlurmExecutor.affinity = original  # type: ignore[method-assign]
+
+
 def submitit_script(p: Profile, args: list[str]) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
-    inner = executor(p, split_run_dir(args)[1], args)._executor
+    with renderable():
+        inner = executor(p, split_run_dir(args)[1], args)._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
@@ -105,6 +124,11 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
                         "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
+    warned_with = "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}"
+    for arg in args:  # a later override would win over the launcher's, and the warning would kill, not save
+        if arg.startswith("checkpoint.signal=") and arg.split("=", 1)[1] != warned_with:
+            raise UserError("checkpoint.signal", f"{arg.split('=', 1)[1]!r} is not the signal this job is warned with "
+                            f"({warned_with})", "leave checkpoint.signal out: the launcher sets it from the profile's signal")
     if dry_run:
         print(sbatch_script(p, args) if launcher == "sbatch" else submitit_script(p, args), end="")
         if launcher == "submitit":  # the task itself travels as a pickle, not in the script

@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from cluster.profile import Profile, load_profile
-from cluster.submit import check_slurm, executor
+from cluster.submit import check_slurm, executor, renderable
 from cluster.task import TrainTask
 from trainer.config import load as load_train_config
 from trainer.errors import UserError
@@ -44,8 +44,8 @@ DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform")
 MAX_TRIALS = 1000
 """Slurm's default MaxArraySize is 1001 (indexes 0-1000): larger arrays are refused at submission."""
 
-PER_TRIAL = ("run.dir", "run.name", "tracking.group")
-"""Trainer keys the sweep sets for every trial itself."""
+PER_TRIAL = ("run.dir", "run.name", "tracking.group", "checkpoint.signal")
+"""Trainer keys the sweep sets for every trial itself (submitit warns with USR2: the trainer must save on it)."""
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted")
@@ -120,10 +120,25 @@ def _err(key: str, message: str, hint: str) -> UserError:
 
 
 def _fmt(value: Any) -> str:
-    """A value as the trainer's ``key=value`` parser reads it back (YAML scalars)."""
+    """A value as the table shows it (YAML's spelling of scalars)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)
+
+
+def _arg(key: str, value: Any) -> str:
+    """``key=value`` that the trainer's parser (YAML, via OmegaConf's dotlist) reads back as exactly ``value``.
+
+    A string YAML would read as something else ("yes" → true, "0x10" → 16, "a #b" → "a") goes double-quoted.
+    """
+    plain = f"{key}={_fmt(value)}"
+    if not isinstance(value, str):
+        return plain
+    try:
+        back = OmegaConf.select(OmegaConf.from_dotlist([plain]), key)
+    except OmegaConfBaseException:
+        back = None
+    return plain if isinstance(back, str) and back == value else f"{key}={json.dumps(value)}"
 
 
 def _kv(overrides: dict[str, Any]) -> str:
@@ -170,11 +185,14 @@ def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
         for v in value:
             if isinstance(v, list | dict):
                 raise _err(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
-        if len({json.dumps(v) for v in value}) != len(value):
+        if len({json.dumps(float(v) if _number(v) else v) for v in value}) != len(value):  # 1 and 1.0 are one value
             raise _err(where, f"lists a value twice: {value}", "list each value once (a repeat is a duplicate trial)")
         return
     if not isinstance(value, dict):
         raise _err(where, f"must be a list of values or a distribution, got {value!r}", f"e.g. {key}: [{value}]")
+    if "distribution" not in value and any(isinstance(v, list | dict) for v in value.values()):
+        sub = next(iter(value))
+        raise _err(where, "is a group of keys, not one key", f"write the dotted trainer key: {key}.{sub}: [value1, value2]")
     if spec.method == "grid":
         raise _err(where, "a distribution needs method: random", f"list the grid's values, e.g. {key}: [value1, value2], "
                    "or set method: random and trials: N")
@@ -230,17 +248,29 @@ def validate(spec: SweepSpec) -> None:
             raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
         _check_parameter(spec, key, value)
     for arg in spec.args:
+        if not isinstance(arg, str):
+            raise _err("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
         key = arg.split("=", 1)[0]
         if key in PER_TRIAL:
             raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
         if key in spec.parameters:
             raise _err("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
+    if spec.method == "random" and spec.trials and spec.trials > _space(spec):
+        raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {_space(spec)}",
+                   f"use trials: {_space(spec)} or fewer, widen the ranges, or use method: grid")
     if spec.method == "grid":
         count = math.prod(len(v) for v in spec.parameters.values())
         if count > MAX_TRIALS:
             raise _err("parameters", f"the grid has {count} trials; one Slurm array holds at most {MAX_TRIALS}",
                        "Slurm's default MaxArraySize is 1001: list fewer values, split the sweep, "
                        f"or use method: random with trials: {MAX_TRIALS} or fewer")
+
+
+def _space(spec: SweepSpec) -> float:
+    """How many distinct trials a random spec can draw (lists and int ranges are finite; real ranges are not)."""
+    sizes = [len(v) if isinstance(v, list) else v["max"] - v["min"] + 1 if v["distribution"] == "int_uniform"
+             else math.inf for v in spec.parameters.values()]
+    return math.prod(sizes)
 
 
 def _sample(rng: random.Random, value: Any) -> Any:
@@ -261,9 +291,19 @@ def plan(spec: SweepSpec) -> list[Trial]:
     if spec.method == "grid":
         combos = [dict(zip(keys, values, strict=True)) for values in itertools.product(*spec.parameters.values())]
     else:
-        rng = random.Random(spec.seed)
-        combos = [{k: _sample(rng, spec.parameters[k]) for k in keys} for _ in range(spec.trials or 0)]
-    return [Trial(i, c, [*spec.args, *(f"{k}={_fmt(v)}" for k, v in c.items())]) for i, c in enumerate(combos)]
+        # Drawn in sequence, a repeat drawn again: more trials extend the list, and no trial runs twice.
+        rng, combos, seen = random.Random(spec.seed), [], set()
+        for _ in range(1000 * (spec.trials or 0)):
+            c = {k: _sample(rng, spec.parameters[k]) for k in keys}
+            if json.dumps(c) not in seen:
+                seen.add(json.dumps(c))
+                combos.append(c)
+            if len(combos) == spec.trials:
+                break
+        else:  # validate() checked the space is large enough; only bad luck in a nearly full one ends here
+            raise _err("trials", f"drew only {len(combos)} distinct trials of {spec.trials}",
+                       "use fewer trials, or widen the ranges")
+    return [Trial(i, c, [*spec.args, *(_arg(k, v) for k, v in c.items())]) for i, c in enumerate(combos)]
 
 
 def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
@@ -321,21 +361,23 @@ def sweep_profile(spec: SweepSpec, sets: dict[str, object], sweep_dir: Path) -> 
     return p
 
 
-def sweep_executor(p: Profile, spec: SweepSpec) -> Any:
-    """The profile's submitit executor with the array throttle (``#SBATCH --array=0-N%max_parallel``)."""
-    ex = executor(p)
+def sweep_executor(p: Profile, spec: SweepSpec, sweep_dir: Path) -> Any:
+    """The profile's submitit executor with the array throttle (``#SBATCH --array=0-N%max_parallel``); an optional
+    preflight doctor checks the trials' folder and the spec's fixed args."""
+    ex = executor(p, None, [*spec.args, f"run.dir={sweep_dir / 'trials'}"])
     ex.update_parameters(slurm_array_parallelism=spec.max_parallel)
     return ex
 
 
-def array_script(p: Profile, spec: SweepSpec, n: int) -> str:
+def array_script(p: Profile, spec: SweepSpec, sweep_dir: Path, n: int) -> str:
     """The exact batch script submitit submits for an array of ``n`` trials.
 
     submitit sets ``map_count`` on a copy of the executor when it submits a batch of two or more
     (``SlurmExecutor._internal_process_submissions``); the same is done here on a throwaway executor.
     A single trial is submitted as a plain job, without ``--array``.
     """
-    inner = sweep_executor(p, spec)._executor
+    with renderable():
+        inner = sweep_executor(p, spec, sweep_dir)._executor
     if n > 1:
         inner.parameters["map_count"] = n
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
@@ -358,20 +400,29 @@ def trial_table(trials: list[Trial], parameters: list[str]) -> str:
     return _columns(["trial", *parameters], [[str(t.index), *(_fmt(t.overrides[k]) for k in parameters)] for t in trials])
 
 
-def _new_sweep_dir(root: Path, name: str) -> Path:
+def _new_sweep_dir(root: Path, name: str, create: bool) -> Path:
+    """``root/sweeps/<name>-<time>``; with create, made here: mkdir is atomic, so two sweeps of one name started
+    in the same second get different folders."""
     base = root / "sweeps" / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     path, n = base, 1
-    while path.exists():  # two sweeps of one name in the same second
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    while True:
+        try:
+            if create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.mkdir()
+            elif path.exists():
+                raise FileExistsError(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
 def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll_s: float = 5.0) -> int:
     """``python -m cluster sweep``: validate, then print (dry run) or submit the array; with wait, report the results."""
     spec = load_spec(spec_path)
     trials = plan(spec)
-    sweep_dir = _new_sweep_dir(Path.cwd(), spec.name)
+    sweep_dir = _new_sweep_dir(Path.cwd(), spec.name, create=False)
     if not re.fullmatch(r"[A-Za-z0-9._/+-]+", str(sweep_dir)):
         # submitit writes the log paths into the batch script (#SBATCH --output, srun --output) without quotes.
         raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} has characters submitit's batch script would not quote",
@@ -385,29 +436,39 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         for t in trials:  # the tasks travel as pickles, not in the script
             print(f"# trial {t.index} runs: python -m trainer {shlex.join(t.task_args(sweep_dir))}")
         print()
-        print(array_script(p, spec, len(trials)), end="")
+        print(array_script(p, spec, sweep_dir, len(trials)), end="")
         return 0
     check_slurm()
-    ex = sweep_executor(p, spec)
-    (sweep_dir / "trials").mkdir(parents=True)
-    try:
+    renamed = _new_sweep_dir(Path.cwd(), spec.name, create=True)
+    if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
+        sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
+    ex = sweep_executor(p, spec, sweep_dir)
+    record = {
+        "sweep_id": sweep_dir.name,
+        "spec_file": str(Path(spec_path).resolve()),
+        "spec": dataclasses.asdict(spec),
+        "profile": p.name,
+        "array_job_id": None,
+        "submitted_at": None,
+        "trials": [{"index": t.index, "overrides": t.overrides, "run_dir": str(sweep_dir / "trials" / str(t.index)),
+                    "args": t.task_args(sweep_dir)} for t in trials],
+    }
+    try:  # written before submitting: a folder that cannot hold the record stops the sweep before anything runs
+        (sweep_dir / "trials").mkdir()
+        _write_json(sweep_dir / "sweep.json", record)
         with ex.batch():  # one sbatch call: a job array
             jobs = [ex.submit(TrainTask(t.task_args(sweep_dir), p.max_requeues)) for t in trials]
+    except OSError as exc:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+        raise UserError("SWEEP_DIR", f"cannot write {str(sweep_dir)!r} ({exc.strerror or exc})",
+                        "run the sweep from a folder this user can write, on storage every node shares") from None
     except (FailedJobError, FailedSubmissionError):  # sbatch refused (partition, limits): no half-made sweep is left
         shutil.rmtree(sweep_dir, ignore_errors=True)
         print("sbatch refused the sweep's array; its message is above", file=sys.stderr)
         return 1
     array_id = str(jobs[0].job_id).split("_")[0]
-    _write_json(sweep_dir / "sweep.json", {
-        "sweep_id": sweep_dir.name,
-        "spec_file": str(Path(spec_path).resolve()),
-        "spec": dataclasses.asdict(spec),
-        "profile": p.name,
-        "array_job_id": array_id,
-        "submitted_at": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "trials": [{"index": t.index, "overrides": t.overrides, "run_dir": str(sweep_dir / "trials" / str(t.index)),
-                    "args": t.task_args(sweep_dir)} for t in trials],
-    })
+    record.update(array_job_id=array_id, submitted_at=datetime.now().astimezone().isoformat(timespec="seconds"))
+    _write_json(sweep_dir / "sweep.json", record)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in
     print(f"submitted sweep {sweep_dir.name}: {len(trials)} trials as Slurm array {array_id} "
           f"(at most {spec.max_parallel} at a time, profile {p.name})")
@@ -497,7 +558,7 @@ def status(sweep_dir: Path) -> list[Row]:
     """Every trial with its state and metric, best first (per the spec's mode); trials without a metric last."""
     data = _read_sweep(sweep_dir)
     metric, mode, trials = data["spec"]["metric"], data["spec"]["mode"], data["trials"]
-    slurm = slurm_states(str(data["array_job_id"]), len(trials))
+    slurm = slurm_states(str(data["array_job_id"]), len(trials)) if data["array_job_id"] else {}
     rows = []
     for t in trials:
         run_dir = Path(t["run_dir"])
@@ -514,12 +575,23 @@ def status(sweep_dir: Path) -> list[Row]:
     return sorted(rows, key=_sort_key(mode))
 
 
+FORGOTTEN_S = 120.0
+"""A trial Slurm never reported (no accounting, and squeue forgets ended jobs) counts as ended after this long."""
+
+
 def wait_for(sweep_dir: Path, poll_s: float = 5.0) -> list[Row]:
-    """Poll :func:`status` until Slurm has ended every trial (a requeued trial is waited for); print progress."""
-    last = -1
+    """Poll :func:`status` until Slurm has ended every trial (a requeued trial is waited for); print progress.
+
+    Without accounting, a trial squeue once listed and no longer knows has ended (squeue forgets ended jobs);
+    one never seen at all counts as ended after :data:`FORGOTTEN_S`, so waiting always ends.
+    """
+    last, seen, started = -1, set(), time.monotonic()
     while True:
         rows = status(sweep_dir)
-        ended = sum(r.slurm in FINISHED or (r.slurm == "unknown" and r.state == "done") for r in rows)
+        seen |= {r.index for r in rows if r.slurm != "unknown"}
+        gone = time.monotonic() - started > FORGOTTEN_S
+        ended = sum(r.slurm in FINISHED or (r.slurm == "unknown" and (r.state == "done" or r.index in seen or gone))
+                    for r in rows)
         if ended != last:
             print(f"{ended}/{len(rows)} trials ended", flush=True)
             last = ended
@@ -537,7 +609,8 @@ def format_status(sweep_dir: Path, rows: list[Row]) -> str:
     scored = sorted((r for r in rows if r.value is not None), key=_sort_key(mode))
     best = (f"best: trial {scored[0].index} ({metric} {scored[0].value}, {mode}): {scored[0].run_dir}" if scored
             else f"best: none yet (no trial has {metric} in its result.json)")
-    head = f"sweep {data['sweep_id']}: array {data['array_job_id']}, {len(rows)} trials, ranked by {metric} ({mode})"
+    array = data["array_job_id"] or "(not submitted)"
+    head = f"sweep {data['sweep_id']}: array {array}, {len(rows)} trials, ranked by {metric} ({mode})"
     return f"{head}\n{_columns(['trial', *keys, 'state', metric], body)}\n{best}"
 
 

@@ -164,6 +164,10 @@ def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture
     assert "error: CLUSTER" in capsys.readouterr().err
     assert cluster_main(["submit", "--cluster", "dev", "--dry-run", "--", "optim.lrr=1"]) == 2
     assert "error: optim.lrr" in capsys.readouterr().err
+    for launcher in ("submitit", "sbatch"):  # the launcher warns with the profile's signal: the trainer must save on it
+        assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--", "checkpoint.signal=SIGINT"]) == 2
+        assert capsys.readouterr().err.startswith("error: checkpoint.signal: 'SIGINT' is not the signal")
+    assert cluster_main(["submit", "--dry-run", "--", "checkpoint.signal=SIGUSR2"]) == 0
 
 
 def test_render_refuses_quotes_in_log_dir() -> None:

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from cluster import sweep
 from cluster.__main__ import main as cluster_main
 from cluster.sweep import SweepSpec, plan, status
+from trainer.config import load as load_train_config
 
 from .conftest import ROOT, SMALL
 from .test_slurm import sh, slurm_env, wait_for
@@ -78,6 +79,14 @@ BAD_SPECS = [
     ("cluster: nowhere\n" + GRID, "sweep.cluster", "no profile"),
     ("profile: {launch: torchrun}\n" + GRID, "sweep.profile.launch", "submitit"),
     ("parameters: {optim.lr: [0.1\n", "SWEEP", "not valid YAML"),
+    ("parameters: {optim.lr: [1, 1.0]}", "sweep.parameters.optim.lr", "twice"),
+    ("parameters: {optim: {lr: [0.1, 0.2]}}", "sweep.parameters.optim", "group of keys"),
+    ("args: [{train.epochs: 1}]\n" + GRID, "sweep.args", "key=value strings"),
+    ("args: [checkpoint.signal=SIGTERM]\n" + GRID, "sweep.args", "per trial"),
+    ("method: random\ntrials: 5\nparameters: {optim.name: [sgd, adamw], data.batch_size: [32, 64]}",
+     "sweep.trials", "only 4"),
+    ("method: random\ntrials: 4\nparameters: {data.batch_size: {distribution: int_uniform, min: 16, max: 18}}",
+     "sweep.trials", "only 3"),
 ]
 
 
@@ -136,6 +145,24 @@ def test_grid_values_render_as_the_trainer_reads_them(tmp_path: Path) -> None:
                                             ["train.deterministic=false", "optim.lr=0.0001", "model.name=cnn"]]
 
 
+def test_string_values_reach_the_trainer_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # YAML would read these back as something else: a bool, an int, a comment, a quoted word, null.
+    values = ["exp #1", "yes", "0x10", '"q"', "null", "a: b", "plain"]
+    spec = spec_of(tmp_path, "parameters: {tracking.project: " + json.dumps(values) + "}")
+    for t in plan(spec):
+        assert load_train_config(t.task_args(tmp_path)).tracking.project == values[t.index]
+    rc, out, _ = cli(["sweep", str(write(tmp_path, "parameters: {tracking.project: " + json.dumps(values) + "}")),
+                      "--dry-run"], capsys)
+    assert rc == 0 and [line.split(None, 1)[1] for line in out.split("\n\n")[0].splitlines()[2:]] == values
+
+
+def test_random_trials_are_distinct(tmp_path: Path) -> None:
+    text = "method: random\ntrials: {n}\nparameters: {{optim.name: [sgd, adamw], data.batch_size: [32, 64]}}"
+    trials = plan(spec_of(tmp_path, text.format(n=4)))
+    assert sorted(tuple(t.overrides.values()) for t in trials) == [("adamw", 32), ("adamw", 64), ("sgd", 32), ("sgd", 64)]
+    assert plan(spec_of(tmp_path, text.format(n=3))) == trials[:3]
+
+
 RANDOM = """method: random
 trials: {trials}
 seed: {seed}
@@ -166,7 +193,7 @@ def test_random_sampling_is_seeded_and_inside_the_bounds(tmp_path: Path) -> None
 
 
 def test_random_trials_are_validated_by_the_trainer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = "method: random\ntrials: 20\nparameters: {data.batch_size: {distribution: int_uniform, min: -3, max: 4}}"
+    text = "method: random\ntrials: 8\nparameters: {data.batch_size: {distribution: int_uniform, min: -3, max: 4}}"
     rc, _, err = cli(["sweep", str(write(tmp_path, text)), "--dry-run"], capsys)
     assert rc == 2 and err.startswith("error: sweep.parameters.data.batch_size: must be > 0"), err
 
@@ -242,6 +269,38 @@ def test_wait_reports_failed_trials_and_exits_1(tmp_path: Path, monkeypatch: pyt
     assert "2/5 trials ended" in out and "5/5 trials ended" in out and "best: trial 2 " in out
     assert err.splitlines() == [f"trial {i} ended {state} without a result; log: {folder}/logs/999_{i}/999_{i}_0_log.err"
                                 for i, state in ((3, "failed"), (4, "cancelled"))]
+
+
+def test_wait_ends_when_slurm_forgets_the_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # No accounting: squeue lists a task while it runs, then forgets it. Trial 4 was never listed at all.
+    folder = fake_sweep(tmp_path, "min", {0: 0.5})
+    polls = iter([{1: "running", 2: "pending", 3: "pending"}, {2: "running", 3: "pending"}, {}])
+    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: next(polls, {}))
+    clock = iter([0.0, 1.0, 2.0, 3.0, sweep.FORGOTTEN_S + 10])
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    rows = sweep.wait_for(folder, poll_s=0)
+    assert {r.index: r.state for r in rows} == {0: "done", 1: "unknown", 2: "unknown", 3: "requeued", 4: "unknown"}
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["1/5 trials ended", "2/5 trials ended", "4/5 trials ended", "5/5 trials ended"]
+
+
+def test_sweep_folders_of_one_name_started_together_differ(tmp_path: Path) -> None:
+    first = sweep._new_sweep_dir(tmp_path, "s", create=True)
+    second = sweep._new_sweep_dir(tmp_path, "s", create=True)
+    assert first != second and first.is_dir() and second.is_dir() and second.name == first.name + "-2"
+
+
+def test_dry_runs_work_where_slurm_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun, no sbatch: a laptop
+    rc, out, err = cli(["sweep", str(write(tmp_path, GRID)), "--dry-run"], capsys)
+    assert rc == 0 and "#SBATCH --array=0-3%4\n" in out, err
+    rc, out, err = cli(["submit", "--cluster", "dev", "--dry-run"], capsys)
+    assert rc == 0 and out.startswith("#!/bin/bash") and "srun" in out, err
+    rc, _, err = cli(["sweep", str(write(tmp_path, GRID)), "--wait"], capsys)
+    assert rc == 2 and err.startswith("error: LAUNCHER: sbatch is not on PATH")
 
 
 def test_sweep_status_defaults_to_the_newest_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
