@@ -219,6 +219,50 @@ def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_p
     ckpt.verify(run / "checkpoints" / "step_00000010.json")
 
 
+OOM_IN_SETUP = """
+import sys
+
+import torch
+
+from trainer import train
+from trainer.__main__ import main
+
+
+def ddp(*args, **kwargs):  # DDP's parameter broadcast running out of GPU memory, on every rank
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+
+train.DDP = ddp
+sys.exit(main())
+"""
+
+
+def test_out_of_memory_while_setting_up_goes_through_the_same_handler(tmp_path: Path) -> None:
+    """Construction (model to device, resume, DDP wrapper) is outside the loop's handler but gets the same report."""
+    (tmp_path / "oom_in_setup.py").write_text(OOM_IN_SETUP)  # the real entrypoint, with only DDP replaced
+    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}"], tmp_path, module="oom_in_setup")
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], outs
+    for rank, out in enumerate(outs):
+        lines = out.strip().splitlines()
+        assert lines[-2].startswith(f"error: model.name: out of memory (rank {rank}, setting up before step 0; "
+                                    "batch 32 per process, fp32): CUDA out of memory. Tried to allocate"), out
+        assert lines[-1].startswith("HINT: check that nothing else holds this GPU's memory"), out
+        assert "Traceback" not in out
+
+
+def test_out_of_memory_message_survives_an_empty_exception_text() -> None:
+    from trainer.config import Config
+    from trainer.env import DistEnv
+    from trainer.train import out_of_memory
+
+    env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
+    progress = ckpt.Progress(global_step=5)
+    for setup in (False, True):
+        err = out_of_memory(torch.OutOfMemoryError(), Config(), env, torch.device("cpu"), progress, setup=setup)
+        assert err.message.endswith("fp32): OutOfMemoryError") and "step 5" in err.message, err.message
+
+
 def test_async_staging_reuses_its_host_buffers() -> None:
     """The stall of an async save is one copy into buffers kept from the last save, not a fresh allocation."""
     staging = ckpt._Staging()

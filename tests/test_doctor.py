@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from trainer.config import load
-from trainer.doctor import FAIL, PASS, SKIP, WARN, Check, check_gpus, merge, render
+from trainer.doctor import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Check,
+    check_gpus,
+    container_spec,
+    describe,
+    main,
+    merge,
+    render,
+    shared_gpus,
+    worst_exit,
+)
 from trainer.env import DistEnv, HostFacts, JobInfo
 
-from .conftest import clean_env, spawn_ranks
+from .conftest import clean_env, free_port, spawn_ranks
 from .test_slurm import sh, slurm_env  # noqa: F401  (the fixture)
 
 
@@ -32,6 +48,7 @@ def test_two_local_ranks_pass_and_the_table_is_printed_once(tmp_path: Path) -> N
     assert proc.stdout.count("doctor: all checks passed") == 1
     assert "PASS" in row(proc.stdout, "all-reduce") and "GB/s" in row(proc.stdout, "all-reduce")
     assert "writable by all 2 rank(s)" in row(proc.stdout, "run folder")
+    assert "resolves and binds on the head node" in row(proc.stdout, "master")  # no torchrun agent holds the port
     assert not list((tmp_path / "runs").iterdir())  # probe files cleaned up
 
 
@@ -53,12 +70,134 @@ def test_unresolvable_master_fails_fast_without_a_traceback(tmp_path: Path) -> N
     assert "FAIL    'no-such-host.invalid' does not resolve" in row(outs[0], "master")
     assert "HINT: every node must resolve" in outs[0] and "Traceback" not in outs[0] + outs[1]
     assert "doctor: rank 1" in outs[1]  # without a process group each rank reports its own failures
+    assert "): HINT: every node must resolve" in outs[1]  # ... with the hint, as rank 0's table has it
+
+
+def test_a_taken_port_fails_on_the_head_node_unless_torchruns_agent_holds_it() -> None:
+    import socket
+
+    from trainer.doctor import check_master
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        env = DistEnv(0, 0, 2, 2, 0, 1, "127.0.0.1", held.getsockname()[1], None, "torchrun")
+        taken = check_master(env)
+        assert taken.status == FAIL and "cannot be bound" in taken.detail and "MASTER_PORT" in taken.hint
+        assert check_master(DistEnv(**{**env.__dict__, "agent": True})).status == PASS
+        assert check_master(DistEnv(**{**env.__dict__, "rank": 1})).status == PASS  # only the head node binds
 
 
 def test_bad_override_is_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "trainer.doctor", "dist.backend=mpi"], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: dist.backend:")
+
+
+# A rank that joins the group, takes part in the doctor's first collective (so the group has formed on every
+# rank), then dies as a crashed or OOM-killed rank would, or stalls as a hung one would.
+PEER = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from trainer import dist as tdist
+from trainer.config import load
+from trainer.env import discover
+tdist.setup(discover(), load(["train.device=cpu"]), torch.device("cpu"))
+dist.broadcast_object_list([None], src=0)
+os._exit(9) if sys.argv[1] == "exits" else time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("peer", "timeout"), [("exits", 60), ("stalls", 15)])
+def test_a_rank_lost_after_setup_fails_every_survivor_without_a_traceback(tmp_path: Path, peer: str, timeout: int) -> None:
+    port = str(free_port())
+    procs = []
+    for rank in range(3):  # doctor ranks 0 and 1 survive the peer, rank 2
+        cmd = ["-c", PEER, peer] if rank == 2 else ["-m", "trainer.doctor", f"--timeout={timeout}", f"run.dir={tmp_path}"]
+        env = clean_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        procs.append(subprocess.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    start = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=timeout + 60)[0] for p in procs[:2]]  # a hang fails here
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+    assert [p.returncode for p in procs[:2]] == [1, 1], outs
+    assert time.monotonic() - start < timeout + 60
+    line = row(outs[0], "run folder")
+    assert "FAIL    rank 0 on " in line and "Error: " in line, outs[0]  # gloo's own words vary: closed, reset, timed out
+    assert "HINT: another rank died or stalled" in outs[0] and "doctor: 1 check(s) failed: run folder" in outs[0]
+    assert "doctor: rank 1 (" in outs[1] and ": run folder: FAIL rank 1 on" in outs[1], outs[1]
+    assert "): HINT: another rank died or stalled" in outs[1]
+    assert "Traceback" not in outs[0] + outs[1]
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--local", "0"], "--local"),
+    (["--local", "-2"], "--local"),
+    (["--timeout", "0"], "--timeout"),
+    (["--timeout", "-5"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"),
+    (["--container", "podman:img"], "--container"),
+    (["--container", "trainer.sif"], "--container"),
+    (["--container", "docker:"], "--container"),
+    (["--container", ""], "--container"),
+    (["--local", "2", "--container", "apptainer:"], "--container"),  # checked before any rank starts
+])
+def test_bad_flags_are_exit_2_with_a_hint(capsys: pytest.CaptureFixture[str], args: list[str], field: str) -> None:
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {field}: ") and "\nHINT: " in err and not out, err
+
+
+@pytest.mark.parametrize(("spec", "parts"), [
+    ("docker:ghcr.io/me/trainer:1.2", ("docker", "ghcr.io/me/trainer:1.2")),  # split at the first colon only
+    ("apptainer:/shared/trainer.sif", ("apptainer", "/shared/trainer.sif")),
+    ("pyxis:nvcr.io#nvidia/pytorch:24.05-py3", ("pyxis", "nvcr.io#nvidia/pytorch:24.05-py3")),
+])
+def test_container_spec(spec: str, parts: tuple[str, str]) -> None:
+    assert container_spec(spec) == parts
+
+
+@pytest.mark.parametrize(("codes", "exit_code"), [
+    ([0, 0], 0),
+    ([0, -9], 1),  # killed by a signal: max() alone said 0
+    ([-15, -9], 1),
+    ([1, 0], 1),
+    ([1, -9, 2], 2),  # the worst positive code (2: bad input) wins
+])
+def test_worst_exit(codes: list[int], exit_code: int) -> None:
+    assert worst_exit(codes) == exit_code
+
+
+@pytest.mark.parametrize(("seen", "shared"), [
+    ([("n1", "GPU-a"), ("n1", "GPU-a")], {0: [1], 1: [0]}),  # one visible GPU per task, but the same one
+    ([("n1", "GPU-a"), ("n1", "GPU-b")], {}),
+    ([("n1", None), ("n1", None)], {}),  # CPU ranks share no GPU
+    ([("n1", "GPU-a"), ("n2", "GPU-a")], {}),  # only ranks on one node can collide
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c")], {0: [2, 3], 2: [0, 3], 3: [0, 2]}),
+    ([("n1", "GPU-a")], {}),
+])
+def test_shared_gpus(seen: list[tuple[str, str | None]], shared: dict[int, list[int]]) -> None:
+    assert shared_gpus(seen) == shared
+
+
+@pytest.mark.parametrize(("exc", "text"), [
+    (ValueError("first\nsecond"), "ValueError: first"),
+    (RuntimeError(), "RuntimeError: "),
+    (RuntimeError("NCCL error in: NCCLUtils.cpp:77, invalid usage, NCCL version 2.21.5\nncclInvalidUsage: This usually "
+                  "reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both "
+                  "on CUDA device 1a000"),
+     "RuntimeError: NCCL error in: NCCLUtils.cpp:77, invalid usage, NCCL version 2.21.5 (last error: Duplicate GPU "
+     "detected : rank 1 and rank 0 both on CUDA device 1a000)"),
+])
+def test_describe_keeps_the_first_line_and_nccls_last_error(exc: Exception, text: str) -> None:
+    assert describe(exc) == text
 
 
 ENV = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, node_rank=0, num_nodes=1, master_addr="n1",

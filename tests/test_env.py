@@ -20,6 +20,8 @@ SLURM = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_
 
 CASES = [
     ("torchrun", TORCHRUN, DistEnv(3, 1, 4, 2, 1, 2, "node7", 29400, None, "torchrun")),
+    ("torchrun's agent", {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"},
+     DistEnv(3, 1, 4, 2, 1, 2, "node7", 29400, None, "torchrun", agent=True)),
     ("torchrun wins over slurm", {**SLURM, **TORCHRUN}, DistEnv(3, 1, 4, 2, 1, 2, "node7", 29400, "123456", "torchrun")),
     ("slurm", SLURM, DistEnv(3, 1, 4, 2, 1, 2, "gpu-01", PORT_BASE + 123456 % PORT_SPAN, "123456", "slurm")),
     ("slurm step nodelist wins", {**SLURM, "SLURM_STEP_NODELIST": "b[5-6]"},

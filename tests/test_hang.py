@@ -3,18 +3,39 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from trainer.heartbeat import EXIT_HANG, build_report
+from trainer import heartbeat
+from trainer.env import DistEnv
+from trainer.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
 
 from .conftest import SMALL, ok, run_trainer, spawn_ranks
 
+OLD_REPORT_TIME = datetime(2024, 1, 2, 3, 4, 5).timestamp()
 
-def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path) -> None:
+
+def _previous_attempt(hang: Path) -> None:
+    """What a requeued job finds: an earlier attempt's files and report, naming rank 0 stuck at step 99."""
+    hang.mkdir(parents=True)
+    for rank, seq in ((0, 500), (1, 900)):
+        _beat(hang, rank, seq, "old phase", step=99)
+    (hang / "report.txt").write_text("HANG: old report\nstuck rank(s): 0 — old\n")
+    os.utime(hang / "report.txt", (OLD_REPORT_TIME, OLD_REPORT_TIME))
+
+
+@pytest.mark.parametrize("requeued", [False, True])
+def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path, requeued: bool) -> None:
     run = tmp_path / "run"
+    if requeued:
+        _previous_attempt(run / "hang")
     args = [*SMALL, f"run.dir={run}", "dist.timeout_s=120", "dist.heartbeat_timeout_s=3", "debug.hang_at_step=6"]
     t0 = time.monotonic()
     procs = spawn_ranks(args, tmp_path)
@@ -30,6 +51,16 @@ def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path)
     # Printed once, by rank 0; rank 1 only leaves its files.
     assert outs[0].count("HANG: no progress") == 1 and "HANG" not in outs[1]
     assert {p.name for p in (run / "hang").iterdir()} >= {"rank_0.txt", "rank_1.txt", "rank_0.json", "rank_1.json"}
+    assert "NCCL trace" not in report and not list((run / "hang").glob("nccl_trace_*"))  # gloo: no flight recorder
+    # The earlier attempt's diagnostics are kept beside it, named by its report's time, untouched.
+    kept = run / f"hang-{datetime.fromtimestamp(OLD_REPORT_TIME):%Y%m%d-%H%M%S}"
+    if requeued:
+        assert (kept / "report.txt").read_text().startswith("HANG: old report"), sorted(run.iterdir())
+        assert json.loads((kept / "rank_1.json").read_text())["seq"] == 900
+        assert f"moved to {kept}" in outs[0]
+        assert "old" not in report and "step 99" not in report
+    else:
+        assert not kept.exists() and "moved to" not in outs[0]
 
 
 def test_no_false_alarm_with_a_short_timeout(tmp_path: Path) -> None:
@@ -40,9 +71,9 @@ def test_no_false_alarm_with_a_short_timeout(tmp_path: Path) -> None:
     assert not (run / "hang").exists()
 
 
-def _beat(folder: Path, rank: int, seq: int, phase: str) -> None:
+def _beat(folder: Path, rank: int, seq: int, phase: str, step: int = 7) -> None:
     (folder / f"rank_{rank}.json").write_text(json.dumps(
-        {"rank": rank, "host": "n1", "pid": 100 + rank, "seq": seq, "step": 7, "phase": phase, "silent_s": 5}))
+        {"rank": rank, "host": "n1", "pid": 100 + rank, "seq": seq, "step": step, "phase": phase, "silent_s": 5}))
     (folder / f"rank_{rank}.txt").write_text(f"stacks of rank {rank}\n")
 
 
@@ -58,3 +89,68 @@ def test_report_names_the_ranks_furthest_behind(tmp_path: Path, beats: dict[int,
     assert expect in report, report
     if "stuck rank(s): 1, 3" in expect:
         assert "stacks of rank 1" in report and "stacks of rank 3" in report and "stacks of rank 0" not in report
+
+
+def test_set_aside_keeps_every_earlier_attempt(tmp_path: Path) -> None:
+    hang = tmp_path / "hang"
+    assert set_aside(hang) is None  # a first attempt: nothing to move
+    for attempt in ("first", "second"):  # both reports written in the same second
+        hang.mkdir()
+        (hang / "report.txt").write_text(attempt)
+        os.utime(hang / "report.txt", (OLD_REPORT_TIME, OLD_REPORT_TIME))
+        set_aside(hang)
+    stamp = f"{datetime.fromtimestamp(OLD_REPORT_TIME):%Y%m%d-%H%M%S}"
+    assert not hang.exists()
+    assert (tmp_path / f"hang-{stamp}" / "report.txt").read_text() == "first"
+    assert (tmp_path / f"hang-{stamp}-2" / "report.txt").read_text() == "second"
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dump", ["writes", "raises", "blocks", "missing"])
+def test_nccl_flight_recorder_is_dumped_and_never_blocks_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dump: str) -> None:
+    """Our wiring only (no GPU here): on an NCCL group the report asks torch for the trace, and survives its failure."""
+    release = threading.Event()
+
+    def fake_dump(*args: Any, **kwargs: Any) -> bytes:
+        if dump == "raises":
+            raise RuntimeError("flight recorder disabled\nmore")
+        if dump == "blocks":
+            release.wait()
+        return b"pickled trace"
+
+    def fake_exit(code: int) -> None:
+        raise _Exited(code)
+
+    c10d = torch._C._distributed_c10d
+    if dump == "missing":
+        monkeypatch.delattr(c10d, "_dump_nccl_trace", raising=False)
+    else:
+        monkeypatch.setattr(c10d, "_dump_nccl_trace", fake_dump, raising=False)
+    monkeypatch.setattr(heartbeat, "_nccl_backend", lambda: True)
+    monkeypatch.setattr(heartbeat, "NCCL_DUMP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    hb = Heartbeat(DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single"), tmp_path / "hang", 3)
+    hb.beat("backward (gradient all-reduce)", 7)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(_Exited, match=str(EXIT_HANG)):
+            hb._report(4.0)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 3
+    report = (tmp_path / "hang" / "report.txt").read_text()
+    assert "rank   0 STUCK" in report and report in capsys.readouterr().err
+    trace = tmp_path / "hang" / "nccl_trace_rank_0.pkl"
+    expect = {"writes": "; NCCL trace nccl_trace_rank_0.pkl",
+              "raises": "; NCCL trace not written (RuntimeError: flight recorder disabled)",
+              "blocks": "; NCCL trace not written (no answer in 0.5 s)",
+              "missing": "; NCCL trace not written (this torch has no _dump_nccl_trace)"}[dump]
+    assert expect in report, report
+    if dump == "writes":
+        assert trace.read_bytes() == b"pickled trace"
+    elif dump != "blocks":
+        assert not trace.exists()

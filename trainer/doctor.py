@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +32,9 @@ PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
 NODE = host_facts().node
 """This node's name in messages: Slurm's (SLURMD_NODENAME), else the host name."""
 EXIT_FAILED = 1
+RUNTIMES = ("apptainer", "docker", "pyxis")
+SHARED_GPU_HINT = ("give each task its own GPU: --gpus-per-task=1 (or --gpu-bind=single:1), "
+                   "or ntasks-per-node = the node's GPU count")
 
 
 @dataclass
@@ -95,7 +100,7 @@ def check_master(env: DistEnv) -> Check:
     except UserError as err:
         return Check("master", FAIL, f"{env.master_addr!r} does not resolve on {NODE}", err.hint)
     where = f"{env.master_addr}:{env.master_port} ({addr})"
-    if env.rank != 0 or env.source == "torchrun":  # torchrun's agent already holds its port
+    if env.rank != 0 or env.agent:  # torchrun's agent already holds its port
         return Check("master", PASS, f"{where} resolves")
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -146,19 +151,28 @@ def check_tracking(cfg: Config, env: DistEnv, info: JobInfo) -> Check:
     return Check("tracking", PASS, detail)
 
 
+def container_spec(spec: str) -> tuple[str, str]:
+    """``RUNTIME:IMAGE`` split at the first colon (an image may carry a ``:tag``); a UserError when malformed."""
+    runtime, colon, image = spec.partition(":")
+    hint = "--container apptainer:PATH.sif, docker:IMAGE[:TAG] or pyxis:IMAGE"
+    if runtime not in RUNTIMES:
+        raise UserError("--container", f"unknown runtime {runtime!r} in {spec!r} (known: {', '.join(RUNTIMES)})", hint)
+    if not colon or not image:
+        raise UserError("--container", f"{spec!r} names no image after {runtime}:", hint)
+    return runtime, image
+
+
 def check_container(spec: str | None, facts: HostFacts) -> Check:
     """With ``--container RUNTIME:IMAGE``: the runtime is installed and the image is there."""
     if not spec:
         if facts.container:
             return Check("container", PASS, f"running inside a {facts.container} container")
         return Check("container", SKIP, "no container")
-    runtime, _, image = spec.partition(":")
+    runtime, image = container_spec(spec)  # main() has validated it: this raises only for a direct caller
     if runtime == "pyxis":
         exe = shutil.which("srun")
-    elif runtime in ("apptainer", "docker"):
-        exe = shutil.which(runtime) or (shutil.which("podman") if runtime == "docker" else shutil.which("singularity"))
     else:
-        return Check("container", FAIL, f"unknown runtime {runtime!r}", "--container apptainer|docker|pyxis:IMAGE")
+        exe = shutil.which(runtime) or (shutil.which("podman") if runtime == "docker" else shutil.which("singularity"))
     if exe is None:
         return Check("container", FAIL, f"{runtime} is not installed on {NODE}",
                      "load its module in the profile's setup lines, or use another runtime")
@@ -246,6 +260,18 @@ def check_transport(env: DistEnv, debug_dir: Path | None) -> Check:
     return Check("nccl transport", PASS, detail)
 
 
+def shared_gpus(seen: list[tuple[str, str | None]]) -> dict[int, list[int]]:
+    """Each rank that drives the same GPU as another rank on its node -> those other ranks.
+
+    ``seen[r]`` is rank r's (node, GPU UUID), the UUID None on the CPU. Slurm can show every task of a node
+    the same single GPU (no per-task binding); ``check_gpus`` alone passes that, NCCL then fails with
+    "Duplicate GPU detected".
+    """
+    shared = {r: [o for o, other in enumerate(seen) if o != r and other == mine]
+              for r, mine in enumerate(seen) if mine[1] is not None}
+    return {r: others for r, others in shared.items() if others}
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 
 def merge(per_rank: list[list[Check]], hosts: list[str]) -> list[Check]:
@@ -279,6 +305,28 @@ def render(rows: list[Check], header: str) -> str:
     return "\n".join(lines)
 
 
+def describe(exc: BaseException) -> str:
+    """Type and first line of an exception, plus the line after NCCL's "Last error:", which names the cause."""
+    lines = str(exc).splitlines() or [""]
+    text = f"{type(exc).__name__}: {lines[0]}"
+    after = [b for a, b in zip(lines[:-1], lines[1:], strict=True) if a.strip() == "Last error:" and b.strip()]
+    return text + (f" (last error: {after[0].strip()})" if after else "")
+
+
+def report_alone(checks: list[Check], env: DistEnv, host: str, why: str) -> int:
+    """Without a working process group there is no gathered table: each rank prints its own failures; 1."""
+    if env.rank == 0:
+        print(render(checks, f"doctor: rank 0 of {env.world_size} on {host} ({why}: this rank only)"), flush=True)
+    else:
+        for c in checks:
+            if c.status == FAIL:
+                print(f"doctor: rank {env.rank} ({host}): {c.name}: FAIL {c.detail}", file=sys.stderr)
+                if c.hint:
+                    print(f"doctor: rank {env.rank} ({host}): HINT: {c.hint}", file=sys.stderr)
+        sys.stderr.flush()
+    return EXIT_FAILED
+
+
 def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) -> int:
     """Check this process's part, gather every rank's rows, print the table on rank 0; 1 if anything failed."""
     cfg = config_mod.load(args)
@@ -304,36 +352,56 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
         if isinstance(exc, UserError):
             message, hint = f"{exc.field}: {exc.message}", exc.hint
         else:
-            message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-            hint = "start every rank as training does (srun in the allocation, or torchrun), within --timeout of each other"
+            message = describe(exc)
+            # NCCL forms its communicator in setup (device_id), so tasks sharing one GPU fail here.
+            hint = SHARED_GPU_HINT if "Duplicate GPU" in message else \
+                "start every rank as training does (srun in the allocation, or torchrun), within --timeout of each other"
         checks.append(Check("process group", FAIL, f"rank {env.rank} on {host}: {message}", hint))
-        if env.rank == 0:
-            print(render(checks, f"doctor: rank 0 of {env.world_size} on {host} (no process group: this rank only)"))
-        else:
-            for c in checks:
-                if c.status == FAIL:
-                    print(f"doctor: rank {env.rank} ({host}): {c.name}: FAIL {c.detail}", file=sys.stderr)
-        return EXIT_FAILED
+        if debug_dir:
+            shutil.rmtree(debug_dir, ignore_errors=True)
+        return report_alone(checks, env, host, "no process group")
+    step = "process group"  # the check whose collectives run now: names the row when a peer dies or times out
     try:
         checks.append(Check("process group", PASS, f"{torch.distributed.get_backend()}, {env.world_size} rank(s) on "
                             f"{env.num_nodes} node(s), via {env.source}"))
+        step = "run folder"
         checks.append(check_run_folder(cfg, env))
+        step = "all-reduce"
         checks.append(check_all_reduce(env, device, 64 if device.type == "cuda" else 8))
+        step = "nccl transport"
         checks.append(check_transport(env, debug_dir))
+        step = "process group"
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
         per_rank: list[list[Check] | None] = [None] * env.world_size
-        hosts: list[str | None] = [None] * env.world_size
+        gathered: list[tuple[str, str | None] | None] = [None] * env.world_size
         torch.distributed.all_gather_object(per_rank, checks)
-        torch.distributed.all_gather_object(hosts, host)
-        rows = merge([c or [] for c in per_rank], [h or "?" for h in hosts])
+        torch.distributed.all_gather_object(gathered, (host, uuid))
+        seen = [g or ("?", None) for g in gathered]
+        for r, others in shared_gpus(seen).items():  # every rank decides alike, so every rank exits alike
+            shared = Check("gpus", FAIL, f"GPU {seen[r][1]} is also used by rank(s) {', '.join(map(str, others))} "
+                           "on this node", SHARED_GPU_HINT)
+            per_rank[r] = [shared if c.name == "gpus" else c for c in per_rank[r] or []]
+        rows = merge([c or [] for c in per_rank], [h for h, _ in seen])
         if env.rank == 0:
             where = f"Slurm job {env.job_id}" if env.job_id else env.source
             print(render(rows, f"doctor: {env.world_size} rank(s) on {env.num_nodes} node(s) ({where})"), flush=True)
         torch.distributed.barrier()
+    except Exception as exc:  # a peer died, a connection closed, or a collective timed out (after --timeout)
+        hint = ("another rank died or stalled (its own output says why: out of memory, killed, a node failure) "
+                "or the network between the nodes dropped; a stalled rank fails the others after --timeout seconds")
+        checks = [c for c in checks if c.name != step]
+        checks.append(Check(step, FAIL, f"rank {env.rank} on {host}: {describe(exc)}", hint))
+        return report_alone(checks, env, host, "the process group broke")
     finally:
         tdist.teardown()
         if debug_dir:
             shutil.rmtree(debug_dir, ignore_errors=True)
     return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
+
+
+def worst_exit(codes: list[int]) -> int:
+    """One exit code for N ranks: the worst positive one; 1 when a rank died of a signal (negative) and none failed."""
+    return max((c for c in codes if c > 0), default=EXIT_FAILED if any(codes) else 0)
 
 
 def spawn_local(n: int, argv: list[str]) -> int:
@@ -346,7 +414,23 @@ def spawn_local(n: int, argv: list[str]) -> int:
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
                                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(n)]
-    return max(p.wait() for p in procs)
+    codes = [p.wait() for p in procs]
+    for r, code in enumerate(codes):
+        if code < 0:  # a signal (the OOM killer, kill -9) leaves the rank itself no chance to say so
+            name = {s.value: s.name for s in signal.Signals}.get(-code, f"signal {-code}")
+            print(f"doctor: rank {r} was killed by {name}", file=sys.stderr)
+    return worst_exit(codes)
+
+
+def check_args(local: int | None, timeout: float, container: str | None) -> None:
+    """The doctor's own flags; a UserError naming the flag."""
+    if local is not None and local < 1:
+        raise UserError("--local", f"must be at least 1, got {local}", "the number of ranks to start here, e.g. --local 2")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UserError("--timeout", f"must be a positive number of seconds, got {timeout}",
+                        "how long a rank waits for the others, e.g. --timeout 60")
+    if container is not None:
+        container_spec(container)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,10 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (what `make doctor` does)")
     parser.add_argument("args", nargs="*", help="training overrides key=value (run.dir, tracking.mode, dist.backend …)")
     ns = parser.parse_args(argv)
-    if ns.local:
-        rank_argv = [*(["--container", ns.container] if ns.container else []), f"--timeout={ns.timeout}", *ns.args]
-        return spawn_local(ns.local, rank_argv)
     try:
+        check_args(ns.local, ns.timeout, ns.container)  # before --local starts N ranks that would each say the same
+        if ns.local is not None:
+            rank_argv = [*(["--container", ns.container] if ns.container is not None else []), f"--timeout={ns.timeout}",
+                         *ns.args]
+            return spawn_local(ns.local, rank_argv)
         return run(ns.args, ns.container, ns.timeout)
     except UserError as err:
         print(err.render(), file=sys.stderr)

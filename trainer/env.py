@@ -48,6 +48,8 @@ class DistEnv:
     master_port: int
     job_id: str | None
     source: Source
+    agent: bool = False
+    """Started by torchrun's agent (TORCHELASTIC_RUN_ID set), which itself holds MASTER_PORT on the head node."""
 
     @property
     def is_main(self) -> bool:
@@ -211,6 +213,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         master_port=_int(env, "MASTER_PORT", hint),
         job_id=env.get("SLURM_JOB_ID"),
         source="torchrun",
+        agent=env.get("TORCHELASTIC_RUN_ID") is not None,
     )
     names = {"world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK", "node_rank": "GROUP_RANK"}
     return _check(result, names, hint)

@@ -5,7 +5,9 @@ so ``seq``, the count of those beats, is comparable across ranks. When a rank go
 its watchdog thread writes ``<run>/hang/rank_<r>.txt`` (its Python stacks, by faulthandler) and
 ``rank_<r>.json`` (its last beat). Ranks that wait in a collective for a stuck peer go silent too, but they
 got further: the stuck ranks are the ones with the lowest ``seq``. Rank 0 collects the files, writes
-``report.txt``, prints it once, and every rank exits with :data:`EXIT_HANG`.
+``report.txt``, prints it once, and every rank exits with :data:`EXIT_HANG`. On NCCL each rank also dumps the
+flight recorder (its recent collectives) to ``nccl_trace_rank_<r>.pkl``: torch dumps it only on a collective
+timeout, which this exit comes before. A new attempt in the same run folder first moves an old ``hang/`` aside.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from trainer.env import DistEnv
 
 EXIT_HANG = 3
 """Exit code after a hang report (no step finished for ``dist.heartbeat_timeout_s`` on some rank)."""
+
+HANG_FOLDER = "hang"
+"""The run folder's subfolder for the hang report and every rank's files."""
+
+NCCL_DUMP_TIMEOUT_S = 5.0
+"""How long a rank waits for NCCL's flight recorder dump before it reports without it."""
 
 
 class Heartbeat:
@@ -95,7 +107,8 @@ class Heartbeat:
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
             last = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seq": self.seq,
-                    "step": self.step, "phase": self.phase, "silent_s": round(silent, 1)}
+                    "step": self.step, "phase": self.phase, "silent_s": round(silent, 1),
+                    "nccl_trace": dump_nccl_trace(self.folder / f"nccl_trace_rank_{rank}.pkl")}
             tmp = self.folder / f".rank_{rank}.json.tmp"
             tmp.write_text(json.dumps(last))
             os.replace(tmp, self.folder / f"rank_{rank}.json")  # the .json marks the .txt as complete
@@ -139,7 +152,9 @@ def build_report(folder: Path, world: int, timeout_s: float) -> str:
         for r in sorted(beats):
             b = beats[r]
             mark = "STUCK" if r in stuck else "waits"
-            lines.append(f"  rank {r:>3} {mark}  {b['host']} pid {b['pid']}: step {b['step']}, {b['phase']} (#{b['seq']})")
+            trace = f"; NCCL trace {b['nccl_trace']}" if b.get("nccl_trace") else ""
+            lines.append(f"  rank {r:>3} {mark}  {b['host']} pid {b['pid']}: step {b['step']}, {b['phase']} (#{b['seq']})"
+                         f"{trace}")
     else:
         stuck = []
     for r in missing:
@@ -148,3 +163,54 @@ def build_report(folder: Path, world: int, timeout_s: float) -> str:
         with contextlib.suppress(OSError):
             lines += ["", f"--- rank {r} stacks ---", (folder / f"rank_{r}.txt").read_text().rstrip()]
     return "\n".join(lines)
+
+
+def _nccl_backend() -> bool:
+    """Whether the default process group runs NCCL (then its flight recorder holds this rank's collectives)."""
+    try:
+        return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    except Exception:  # a group torn down meanwhile
+        return False
+
+
+def dump_nccl_trace(path: Path) -> str | None:
+    """Write NCCL's flight recorder to ``path``; return what the report says about it (None: not on NCCL).
+
+    The dump is private torch API and takes locks a stuck NCCL thread may hold: it runs in a daemon thread,
+    waited for at most :data:`NCCL_DUMP_TIMEOUT_S`, and a failure is only noted, never raised.
+    """
+    if not _nccl_backend():
+        return None
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+    if dump is None:
+        return "not written (this torch has no _dump_nccl_trace)"
+    outcome: list[str] = []
+
+    def write() -> None:
+        try:
+            path.write_bytes(dump())
+            outcome.append(path.name)
+        except Exception as exc:
+            outcome.append(f"not written ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+
+    try:
+        thread = threading.Thread(target=write, name="nccl-trace-dump", daemon=True)
+        thread.start()
+        thread.join(NCCL_DUMP_TIMEOUT_S)
+    except RuntimeError as exc:  # no thread to be had: the report (and the exit after it) must still happen
+        return f"not written ({exc})"
+    return outcome[0] if outcome else f"not written (no answer in {NCCL_DUMP_TIMEOUT_S:g} s)"
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Move an earlier attempt's ``folder`` to ``<folder>-<time of its report>`` (kept, never overwritten)."""
+    if not folder.exists():
+        return None
+    report = folder / "report.txt"
+    stamp = datetime.fromtimestamp((report if report.exists() else folder).stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+    target, n = folder.with_name(f"{folder.name}-{stamp}"), 1
+    while target.exists():  # two attempts' reports in the same second
+        n += 1
+        target = folder.with_name(f"{folder.name}-{stamp}-{n}")
+    folder.rename(target)
+    return target

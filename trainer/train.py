@@ -28,7 +28,7 @@ from trainer.config import Config, to_yaml
 from trainer.data import build_data, loaders
 from trainer.env import DistEnv, job_info
 from trainer.errors import EXIT_REQUEUE, UserError
-from trainer.heartbeat import Heartbeat
+from trainer.heartbeat import HANG_FOLDER, Heartbeat, set_aside
 from trainer.models import build_model
 from trainer.tracking import Tracker
 
@@ -89,6 +89,11 @@ def choose_run_dir(cfg: Config, env: DistEnv) -> Path:
         try:
             path.mkdir(parents=True, exist_ok=True)
             ckpt.write_atomic(path / "config.yaml", to_yaml(cfg).encode())
+            # Before the broadcast below, so before any rank's watchdog: an earlier attempt's files would
+            # complete rank 0's wait for every rank at once and hand the other ranks a stale report.
+            moved = set_aside(path / HANG_FOLDER)
+            if moved:
+                say(env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
         except OSError as exc:
             raise UserError("run.dir", f"cannot write {str(path)!r} ({exc.strerror})",
                             "choose a folder this user can write, on storage every node shares") from None
@@ -149,6 +154,14 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device, preemption: Preemption,
                  signals: tuple[int, ...]) -> None:
         self.cfg, self.env, self.device, self.preemption = cfg, env, device, preemption
+        self.progress = ckpt.Progress()  # first: an out-of-memory report from construction names the step
+        try:
+            self._build(signals)
+        except torch.OutOfMemoryError as exc:  # the model to the device, a resumed checkpoint, DDP's broadcast
+            raise out_of_memory(exc, cfg, env, device, self.progress, setup=True) from None
+
+    def _build(self, signals: tuple[int, ...]) -> None:
+        cfg, env, device = self.cfg, self.env, self.device
         torch.manual_seed(cfg.train.seed)
         if cfg.train.deterministic and device.type == "cuda":
             # cuBLAS is deterministic only with a fixed workspace, read when its handle is made (first matmul,
@@ -160,7 +173,7 @@ class Trainer:
         self.requeue_marker = self.run_dir / "requeue.json"
         if env.is_main:
             self.requeue_marker.unlink(missing_ok=True)
-        self.heartbeat = Heartbeat(env, self.run_dir / "hang", cfg.dist.heartbeat_s)
+        self.heartbeat = Heartbeat(env, self.run_dir / HANG_FOLDER, cfg.dist.heartbeat_s)
         self.checkpointer = ckpt.Checkpointer(self.run_dir / "checkpoints", env.is_main, cfg.checkpoint.keep,
                                               cfg.debug.save_delay_s, on_write=self.heartbeat.alive)
         self.train_loader, self.sampler, self.test_loader = loaders(data, cfg, env, device, signals)
@@ -172,7 +185,6 @@ class Trainer:
         self.total_steps = math.ceil(len(self.train_loader) / o.grad_accum) * cfg.train.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(enabled=cfg.train.precision == "fp16")
-        self.progress = ckpt.Progress()
 
         self.resumed_from, tracking_id = self.resume()
         # (step, path) of the newest checkpoint holding this run's state: the final save is skipped when it exists.
@@ -325,7 +337,7 @@ class Trainer:
         try:
             result = self._fit()
         except torch.OutOfMemoryError as exc:
-            raise self.out_of_memory(exc) from None
+            raise out_of_memory(exc, self.cfg, self.env, self.device, self.progress) from None
         finally:
             self.heartbeat.stop()
             self.checkpointer.wait()
@@ -421,21 +433,6 @@ class Trainer:
         say(env, f"done: test accuracy {100 * test_acc:.2f}% (chance {100 / cfg.model.num_classes:.0f}%), checkpoint {final}")
         return result
 
-    def out_of_memory(self, exc: BaseException) -> UserError:
-        """What to print when a step runs out of memory; nothing is saved, so the last checkpoint stays intact."""
-        cfg, p = self.cfg, self.progress
-        if self.device.type == "cuda":
-            print(torch.cuda.memory_summary(self.device, abbreviated=True), file=sys.stderr, flush=True)
-        b, accum = cfg.data.batch_size, cfg.optim.grad_accum
-        hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} optim.grad_accum={accum * 2}"]
-        if cfg.train.precision == "fp32":
-            hints.append("train.precision=bf16 (about half the activation memory)")
-        hints += ["activation checkpointing (torch.utils.checkpoint) in the model's largest blocks",
-                  "evaluation already runs under torch.no_grad; a checkpoint, if any, is untouched"]
-        where = f"rank {self.env.rank}, step {p.global_step}, epoch {p.epoch}"
-        return UserError("data.batch_size", f"out of memory ({where}; batch {b} per process, {cfg.train.precision}): "
-                         f"{str(exc).splitlines()[0]}", "; ".join(hints))
-
     def preempted(self, sig: signal.Signals, bar: Any) -> dict[str, Any]:
         """Save once, leave a requeue marker, and report exit code 75."""
         self.heartbeat.stop()  # the launcher's kill deadline bounds what follows
@@ -468,6 +465,32 @@ class Trainer:
             print(f"epoch {self.progress.epoch} step {step}: loss {m['train/loss']:.4f}, "
                   f"{m['train/samples_per_s']:.0f} samples/s, lr {m['train/lr']:.4g}", flush=True)
         self.tracker.log(m, step)
+
+
+def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, progress: ckpt.Progress,
+                  setup: bool = False) -> UserError:
+    """What to print when this rank runs out of memory; nothing is saved, so the last checkpoint stays intact.
+
+    A function, not a Trainer method: construction (``setup``) may fail before there is a Trainer to ask.
+    """
+    if device.type == "cuda":
+        print(torch.cuda.memory_summary(device, abbreviated=True), file=sys.stderr, flush=True)
+    b, accum = cfg.data.batch_size, cfg.optim.grad_accum
+    if setup:  # before the first batch: the weights, optimizer state or DDP's buckets do not fit, whatever the batch
+        key, where = "model.name", f"rank {env.rank}, setting up before step {progress.global_step}"
+        hints = ["check that nothing else holds this GPU's memory (nvidia-smi): one trainer process per GPU",
+                 f"a smaller model than {cfg.model.name}, or a GPU with more memory", "checkpoints are untouched"]
+    else:
+        key, where = "data.batch_size", f"rank {env.rank}, step {progress.global_step}, epoch {progress.epoch}"
+        hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} "
+                 f"optim.grad_accum={accum * 2}"]
+        if cfg.train.precision == "fp32":
+            hints.append("train.precision=bf16 (about half the activation memory)")
+        hints += ["activation checkpointing (torch.utils.checkpoint) in the model's largest blocks",
+                  "evaluation already runs under torch.no_grad; a checkpoint, if any, is untouched"]
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # torch may raise it with no message
+    return UserError(key, f"out of memory ({where}; batch {b} per process, {cfg.train.precision}): {first_line}",
+                     "; ".join(hints))
 
 
 def _stuck_for_test() -> None:
