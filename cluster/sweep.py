@@ -405,10 +405,11 @@ def _new_sweep_dir(root: Path, name: str, create: bool) -> Path:
     in the same second get different folders."""
     base = root / "sweeps" / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     path, n = base, 1
+    if create:
+        base.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
             if create:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 path.mkdir()
             elif path.exists():
                 raise FileExistsError(path)
@@ -439,7 +440,11 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         print(array_script(p, spec, sweep_dir, len(trials)), end="")
         return 0
     check_slurm()
-    renamed = _new_sweep_dir(Path.cwd(), spec.name, create=True)
+    try:
+        renamed = _new_sweep_dir(Path.cwd(), spec.name, create=True)
+    except OSError as exc:
+        raise UserError("SWEEP_DIR", f"cannot create {str(sweep_dir)!r} ({exc.strerror or exc})",
+                        "run the sweep from a folder this user can write, on storage every node shares") from None
     if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
         sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
     ex = sweep_executor(p, spec, sweep_dir)

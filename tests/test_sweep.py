@@ -303,6 +303,17 @@ def test_dry_runs_work_where_slurm_is_not_installed(tmp_path: Path, monkeypatch:
     assert rc == 2 and err.startswith("error: LAUNCHER: sbatch is not on PATH")
 
 
+def test_an_unwritable_sweeps_folder_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweeps").write_text("")  # a file where the folder should be: fails even for root
+    (tmp_path / "sbatch").write_text("#!/bin/sh\nexit 1\n")  # never reached: the folder fails first
+    (tmp_path / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    rc, _, err = cli(["sweep", str(write(tmp_path, GRID))], capsys)
+    assert rc == 2 and err.startswith("error: SWEEP_DIR: cannot create ") and "\nHINT: " in err, err
+
+
 def test_sweep_status_defaults_to_the_newest_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     folder = fake_sweep(tmp_path, "min", {1: 0.3})
