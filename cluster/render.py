@@ -124,7 +124,7 @@ def doctor_step(p: Profile, launch: list[str]) -> list[str]:
         f'if [[ "${{DOCTOR:-{int(p.doctor)}}}" == 1 ]]; then',
         *(f"  {line}" for line in launch[:-1]),
         f"  {launch[-1]} \\",
-        '    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }',
+        '    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }',
         "fi",
     ]
 

@@ -26,7 +26,7 @@ rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeu
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 --container-image=img:1 --container-mounts="$PWD:$PWD,$RUN_DIR:$RUN_DIR,/data:/data" --container-workdir="$PWD" python3 -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
-    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }
+    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 rc=0
 srun --kill-on-bad-exit=1 --container-image=img:1 --container-mounts="$PWD:$PWD,$RUN_DIR:$RUN_DIR,/data:/data" --container-workdir="$PWD" python3 -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?

@@ -30,7 +30,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
       --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
       -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
-    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }
+    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 rc=0
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

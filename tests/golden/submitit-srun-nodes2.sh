@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=1
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 <python> -m trainer.doctor optim.lr=0.1 \
-    || { echo "preflight doctor failed (table above): not training" >&2; exit 1; }
+    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 
 # command
