@@ -7,7 +7,7 @@ from typing import Any
 
 from trainer import config as config_mod
 from trainer.env import discover
-from trainer.errors import EXIT_BAD_INPUT, UserError
+from trainer.errors import EXIT_BAD_INPUT, UserError, exit_now
 
 
 def run(args: list[str]) -> dict[str, Any]:
@@ -43,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -72,4 +73,11 @@ def barrier() -> None:
 def teardown() -> None:
     """Leave the process group (safe to call when none was made)."""
     if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo" and dist.get_world_size() > 1
         dist.destroy_process_group()
+        if gloo:
+            # gloo's worker threads may still hold the last collectives' tensors, whose release needs the GIL:
+            # released here while the interpreter is alive (see errors.exit_now for what happens otherwise).
+            # `python -m trainer` then skips finalization anyway; this narrows the window for in-process
+            # callers such as the submitit task, which must return its result through Python.
+            time.sleep(0.2)

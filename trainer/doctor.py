@@ -26,7 +26,7 @@ from pathlib import Path
 from trainer import config as config_mod
 from trainer.config import Config
 from trainer.env import DistEnv, HostFacts, JobInfo, discover, host_facts, job_info, without_placement
-from trainer.errors import EXIT_BAD_INPUT, UserError
+from trainer.errors import EXIT_BAD_INPUT, UserError, exit_now
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
 NODE = host_facts().node
@@ -455,4 +455,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
