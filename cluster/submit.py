@@ -126,9 +126,10 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
                         "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
     warned_with = "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}"
     for arg in args:  # a later override would win over the launcher's, and the warning would kill, not save
-        if arg.startswith("checkpoint.signal=") and arg.split("=", 1)[1] != warned_with:
-            raise UserError("checkpoint.signal", f"{arg.split('=', 1)[1]!r} is not the signal this job is warned with "
-                            f"({warned_with})", "leave checkpoint.signal out: the launcher sets it from the profile's signal")
+        key, _, value = arg.partition("=")
+        if key == "checkpoint.signal" and value != warned_with:
+            raise UserError("checkpoint.signal", f"{value!r} is not the signal this job is warned with ({warned_with})",
+                            "leave checkpoint.signal out: the launcher sets it from the profile's signal")
     if dry_run:
         print(sbatch_script(p, args) if launcher == "sbatch" else submitit_script(p, args), end="")
         if launcher == "submitit":  # the task itself travels as a pickle, not in the script

@@ -8,6 +8,7 @@ with each trial's ``result.json`` and Slurm's view of the array.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -255,9 +256,10 @@ def validate(spec: SweepSpec) -> None:
             raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
         if key in spec.parameters:
             raise _err("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
-    if spec.method == "random" and spec.trials and spec.trials > _space(spec):
-        raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {_space(spec)}",
-                   f"use trials: {_space(spec)} or fewer, widen the ranges, or use method: grid")
+    space = _space(spec) if spec.method == "random" else math.inf
+    if spec.trials and spec.trials > space:
+        raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {space}",
+                   f"use trials: {space} or fewer, widen the ranges, or use method: grid")
     if spec.method == "grid":
         count = math.prod(len(v) for v in spec.parameters.values())
         if count > MAX_TRIALS:
@@ -295,8 +297,8 @@ def plan(spec: SweepSpec) -> list[Trial]:
         rng, combos, seen = random.Random(spec.seed), [], set()
         for _ in range(1000 * (spec.trials or 0)):
             c = {k: _sample(rng, spec.parameters[k]) for k in keys}
-            if json.dumps(c) not in seen:
-                seen.add(json.dumps(c))
+            if (text := json.dumps(c)) not in seen:
+                seen.add(text)
                 combos.append(c)
             if len(combos) == spec.trials:
                 break
@@ -404,19 +406,23 @@ def _new_sweep_dir(root: Path, name: str, create: bool) -> Path:
     """``root/sweeps/<name>-<time>``; with create, made here: mkdir is atomic, so two sweeps of one name started
     in the same second get different folders."""
     base = root / "sweeps" / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
-    path, n = base, 1
     if create:
         base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
     while True:
-        try:
-            if create:
-                path.mkdir()
-            elif path.exists():
-                raise FileExistsError(path)
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        if create:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()  # atomic: of two sweeps started together, the second gets -2
+                return path
+        elif not path.exists():
             return path
-        except FileExistsError:
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
+        n += 1
+
+
+def _unwritable(verb: str, sweep_dir: Path, exc: OSError) -> UserError:
+    return UserError("SWEEP_DIR", f"cannot {verb} {str(sweep_dir)!r} ({exc.strerror or exc})",
+                     "run the sweep from a folder this user can write, on storage every node shares")
 
 
 def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll_s: float = 5.0) -> int:
@@ -443,8 +449,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     try:
         renamed = _new_sweep_dir(Path.cwd(), spec.name, create=True)
     except OSError as exc:
-        raise UserError("SWEEP_DIR", f"cannot create {str(sweep_dir)!r} ({exc.strerror or exc})",
-                        "run the sweep from a folder this user can write, on storage every node shares") from None
+        raise _unwritable("create", sweep_dir, exc) from None
     if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
         sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
     ex = sweep_executor(p, spec, sweep_dir)
@@ -465,8 +470,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
             jobs = [ex.submit(TrainTask(t.task_args(sweep_dir), p.max_requeues)) for t in trials]
     except OSError as exc:
         shutil.rmtree(sweep_dir, ignore_errors=True)
-        raise UserError("SWEEP_DIR", f"cannot write {str(sweep_dir)!r} ({exc.strerror or exc})",
-                        "run the sweep from a folder this user can write, on storage every node shares") from None
+        raise _unwritable("write", sweep_dir, exc) from None
     except (FailedJobError, FailedSubmissionError):  # sbatch refused (partition, limits): no half-made sweep is left
         shutil.rmtree(sweep_dir, ignore_errors=True)
         print("sbatch refused the sweep's array; its message is above", file=sys.stderr)
