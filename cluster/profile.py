@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import UserError
+from trainer.files import load_yaml
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 
@@ -99,16 +100,15 @@ def load_profile(name_or_path: str, overrides: dict[str, object] | None = None) 
         known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
         raise UserError("CLUSTER", f"no profile {name_or_path!r} ({path})", f"use one of: {known}, or a YAML path")
     schema = OmegaConf.structured(Profile(name=path.stem))
+    loaded = load_yaml(path, "CLUSTER", "pass a profile name or a YAML path")
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        merged = OmegaConf.merge(schema, loaded)
         for key, value in (overrides or {}).items():
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         valid = ", ".join(f.name for f in fields(Profile))
         raise _err(str(key), str(exc).splitlines()[0].rstrip("."), f"check {path}; valid keys: {valid}") from None
-    except Exception as exc:  # YAML syntax
-        raise UserError("CLUSTER", f"{path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the YAML") from None
     profile: Profile = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(profile)
     return profile

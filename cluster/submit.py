@@ -14,7 +14,7 @@ from typing import Any
 from cluster.profile import Profile
 from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch
 from cluster.task import TrainTask
-from trainer.config import load as load_train_config
+from trainer.build import load_checked as load_train_config
 from trainer.errors import UserError
 
 
@@ -179,8 +179,9 @@ def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
         print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
         return 1
     main = results[0]
-    print(f"job {job.job_id} done: test accuracy {100 * main['test_accuracy']:.2f}%, world size {main['world_size']}, "
-          f"checkpoint {main['checkpoint']}")
+    scores = ", ".join(f"{k[5:]} {v:.4g}" for k, v in main.items() if k.startswith("test_")) or "no evaluation set"
+    print(f"job {job.job_id} done: {scores}, world size {main['world_size']}, checkpoint {main['checkpoint']}")
     for r in results:
-        print(f"  rank {r['rank']}: world size {r['world_size']}, parameter checksum {r['param_checksums'][r['rank']]}")
+        checksum = f", parameter checksum {r['param_checksums'][r['rank']]}" if "param_checksums" in r else ""
+        print(f"  rank {r['rank']}: world size {r['world_size']}{checksum}")
     return 0

@@ -33,8 +33,9 @@ from submitit.core.utils import FailedJobError, FailedSubmissionError
 from cluster.profile import Profile, load_profile
 from cluster.submit import check_slurm, executor, renderable
 from cluster.task import TrainTask
-from trainer.config import load as load_train_config
+from trainer.build import load_checked as load_train_config
 from trainer.errors import UserError
+from trainer.files import load_yaml, write_json
 
 METRICS = ("test_accuracy", "test_loss", "train_samples_per_s", "train_time_s", "global_step")
 """Numeric keys of a run's result.json that a sweep can rank trials by."""
@@ -70,7 +71,8 @@ class SweepSpec:
     max_parallel: int = 4
     """Trials running at once (the Slurm array's %N throttle)."""
     metric: str = "test_accuracy"
-    """Key of result.json that ranks the trials: test_accuracy, test_loss, train_samples_per_s, train_time_s, global_step."""
+    """Key of result.json that ranks the trials: test_<metric> (test_accuracy, test_loss, or any metric the task's
+    eval_step returns), train_samples_per_s, train_time_s, global_step."""
     mode: str = "max"
     """max (higher metric is better) or min."""
     args: list[str] = field(default_factory=list)
@@ -149,14 +151,7 @@ def _kv(overrides: dict[str, Any]) -> str:
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and validate a sweep spec; every problem is a UserError naming the ``sweep.<field>``."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError("SWEEP", f"no sweep spec {str(path)!r}", "pass a YAML file, e.g. SWEEP=cluster/sweeps/example.yaml")
-    try:
-        loaded = OmegaConf.load(path)
-    except Exception as exc:  # yaml's parser errors are many classes
-        raise UserError("SWEEP", f"{path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the YAML syntax") from None
-    if not isinstance(loaded, DictConfig):
-        raise UserError("SWEEP", f"{path} must hold a mapping", "see cluster/sweeps/example.yaml")
+    loaded = load_yaml(path, "SWEEP", "pass a YAML file, e.g. SWEEP=cluster/sweeps/example.yaml")
     for key, kind in (("profile", DictConfig), ("parameters", DictConfig), ("args", ListConfig)):
         # OmegaConf raises a bare TypeError (no key) when a list meets a mapping field, or the reverse.
         if loaded.get(key) is not None and not isinstance(loaded.get(key), kind):
@@ -228,8 +223,9 @@ def validate(spec: SweepSpec) -> None:
         raise _err("method", f"must be grid or random, got {spec.method!r}", "method: grid (every combination) or random")
     if spec.mode not in ("max", "min"):
         raise _err("mode", f"must be max or min, got {spec.mode!r}", "mode: max for accuracy, min for a loss")
-    if spec.metric not in METRICS:
-        raise _err("metric", f"{spec.metric!r} is not a metric of result.json", f"use one of: {', '.join(METRICS)}")
+    if spec.metric not in METRICS and not (spec.metric.startswith("test_") and len(spec.metric) > 5):
+        raise _err("metric", f"{spec.metric!r} is not a metric of result.json",
+                   f"use one of: {', '.join(METRICS)}, or test_<name> for any metric your task's eval_step returns")
     if spec.max_parallel < 1:
         raise _err("max_parallel", f"must be >= 1, got {spec.max_parallel}", "e.g. max_parallel: 4")
     if spec.method == "grid" and spec.trials is not None:
@@ -385,13 +381,6 @@ def array_script(p: Profile, spec: SweepSpec, sweep_dir: Path, n: int) -> str:
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Readers see the old file or the whole new one, never a half-written one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _columns(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows])
@@ -465,7 +454,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     }
     try:  # written before submitting: a folder that cannot hold the record stops the sweep before anything runs
         (sweep_dir / "trials").mkdir()
-        _write_json(sweep_dir / "sweep.json", record)
+        write_json(sweep_dir / "sweep.json", record)
         with ex.batch():  # one sbatch call: a job array
             jobs = [ex.submit(TrainTask(t.task_args(sweep_dir), p.max_requeues)) for t in trials]
     except OSError as exc:
@@ -477,7 +466,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         return 1
     array_id = str(jobs[0].job_id).split("_")[0]
     record.update(array_job_id=array_id, submitted_at=datetime.now().astimezone().isoformat(timespec="seconds"))
-    _write_json(sweep_dir / "sweep.json", record)
+    write_json(sweep_dir / "sweep.json", record)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in
     print(f"submitted sweep {sweep_dir.name}: {len(trials)} trials as Slurm array {array_id} "
           f"(at most {spec.max_parallel} at a time, profile {p.name})")

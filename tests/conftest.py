@@ -25,7 +25,13 @@ SMALL = [
     "optim.warmup_steps=2",
     "train.log_every=8",
     "tracking.mode=disabled",
+    "train.checksum=true",  # every rank's parameter hash in result.json (off by default: a full model copy)
 ]
+
+
+def faults(**values: object) -> dict[str, str]:
+    """The environment that injects test faults (trainer/faults.py), e.g. ``faults(preempt_at_step=3)``."""
+    return {"TRAINER_FAULTS": " ".join(f"{k}={v}" for k, v in values.items())}
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:

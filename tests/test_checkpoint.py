@@ -15,7 +15,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 
-from .conftest import SMALL, clean_env, ok, result_of, run_trainer, spawn_ranks
+from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
 RESUME = [*SMALL, "train.epochs=2", "data.synthetic_train_size=512"]  # 2 ranks × batch 32: 8 steps per epoch
 
@@ -54,7 +54,7 @@ def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, 
     extra = {"plain": [], "accum": ["optim.grad_accum=3"], "workers": ["data.num_workers=1"]}[key]
     run = tmp_path / "run"
     # Ranks started like srun starts them (torchrun's agent would turn exit code 75 into 1).
-    ranks = spawn_ranks([*RESUME, *extra, f"run.dir={run}", f"debug.preempt_at_step={micro}"], tmp_path)
+    ranks = spawn_ranks([*RESUME, *extra, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=micro))
     outs = [p.communicate(timeout=180)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert outs[0].count("received: saved") == 1
@@ -67,8 +67,8 @@ def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, 
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"]
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args, "debug.save_delay_s=30"], cwd=tmp_path,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+                            env=clean_env(faults(save_delay_s=30)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = run / "checkpoints"
     deadline = time.monotonic() + 120
     # The first save sleeps half-written for 30 s too: wait for it to commit and the second to start.
@@ -118,8 +118,8 @@ def test_truncated_and_unmarked_checkpoints_never_count(tmp_path: Path) -> None:
 
 def test_keep_last_k_and_periodic_by_time(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_minutes=0.0005", "checkpoint.keep=2",
-                    "debug.step_delay_s=0.05"], tmp_path))
+    ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_minutes=0.0005", "checkpoint.keep=2"],
+                   tmp_path, env=faults(step_delay_s=0.05)))
     manifests = ckpt.committed(run / "checkpoints")
     assert [m.name for m in manifests][0] == "step_00000032.json" and len(manifests) == 2
     assert len(list((run / "checkpoints").glob("step_*.pt"))) == 2
@@ -158,8 +158,8 @@ def _wait_for(proc: subprocess.Popen[str], text: str, timeout: float = 120) -> s
 
 def test_signal_saves_once_exits_75_and_rerun_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    args = [*SMALL, f"run.dir={run}", "data.num_workers=1", "debug.step_delay_s=0.1"]
-    ranks = spawn_ranks(args, tmp_path)
+    args = [*SMALL, f"run.dir={run}", "data.num_workers=1"]
+    ranks = spawn_ranks(args, tmp_path, env=faults(step_delay_s=0.1))
     _wait_for(ranks[0], "step 8:")
     for p in ranks:  # as Slurm does: every process of the step, DataLoader workers included
         os.killpg(p.pid, signal.SIGUSR2)
@@ -179,7 +179,7 @@ def test_signal_saves_once_exits_75_and_rerun_resumes(tmp_path: Path) -> None:
 
 def test_sigterm_also_saves(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    ranks = spawn_ranks([*SMALL, f"run.dir={run}", "debug.step_delay_s=0.1"], tmp_path)
+    ranks = spawn_ranks([*SMALL, f"run.dir={run}"], tmp_path, env=faults(step_delay_s=0.1))
     _wait_for(ranks[0], "step 8:")
     ranks[1].send_signal(signal.SIGTERM)  # one rank alone is enough: the flag is all-reduced
     outs = [p.communicate(timeout=120)[0] for p in ranks]
@@ -188,8 +188,8 @@ def test_sigterm_also_saves(tmp_path: Path) -> None:
 
 
 def test_a_dead_rank_makes_the_other_exit_nonzero_within_the_timeout(tmp_path: Path) -> None:
-    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "debug.step_delay_s=0.1", "dist.timeout_s=20"],
-                        tmp_path)
+    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=20"], tmp_path,
+                        env=faults(step_delay_s=0.1))
     _wait_for(ranks[0], "step 8:")
     os.killpg(ranks[1].pid, signal.SIGKILL)
     start = time.monotonic()
@@ -209,8 +209,8 @@ def test_unresolvable_master_addr_fails_fast_and_clearly(tmp_path: Path) -> None
 
 def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=10", "debug.oom_at_step=14"], tmp_path),
-              code=2)
+    proc = ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"], tmp_path,
+                          env=faults(oom_at_step=14)), code=2)
     lines = proc.stderr.strip().splitlines()
     assert lines[-2].startswith("error: data.batch_size: out of memory (rank 0, step 14")
     assert lines[-1].startswith("HINT: halve the batch") and "optim.grad_accum=2" in lines[-1]

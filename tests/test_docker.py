@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL, exported
+from .conftest import ROOT, SMALL, exported, faults
 from .test_slurm import cluster_cmd, job_id_of, job_state, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture, imported for the Slurm tests below
@@ -79,7 +79,7 @@ def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, st
     env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
     run = tmp_path / "run"
     proc = cluster_cmd(["--launcher", "sbatch", "--set", "container.runtime=docker", "--set", f"container.image={image}",
-                        "--", *SMALL, "train.epochs=20", "debug.step_delay_s=0.2", f"run.dir={run}"], env)
+                        "--", *SMALL, "train.epochs=20", f"run.dir={run}"], {**env, **faults(step_delay_s=0.2)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
 

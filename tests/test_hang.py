@@ -17,7 +17,7 @@ from trainer import heartbeat
 from trainer.env import DistEnv
 from trainer.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
 
-from .conftest import SMALL, ok, run_trainer, spawn_ranks
+from .conftest import SMALL, faults, ok, run_trainer, spawn_ranks
 
 OLD_REPORT_TIME = datetime(2024, 1, 2, 3, 4, 5).timestamp()
 
@@ -36,9 +36,9 @@ def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path,
     run = tmp_path / "run"
     if requeued:
         _previous_attempt(run / "hang")
-    args = [*SMALL, f"run.dir={run}", "dist.timeout_s=120", "dist.heartbeat_timeout_s=3", "debug.hang_at_step=6"]
+    args = [*SMALL, f"run.dir={run}", "dist.timeout_s=120", "dist.heartbeat_timeout_s=3"]
     t0 = time.monotonic()
-    procs = spawn_ranks(args, tmp_path)
+    procs = spawn_ranks(args, tmp_path, env=faults(hang_at_step=6))
     outs = [p.communicate(timeout=90)[0] for p in procs]
     elapsed = time.monotonic() - t0
     assert [p.returncode for p in procs] == [EXIT_HANG, EXIT_HANG], outs
@@ -67,7 +67,7 @@ def test_no_false_alarm_with_a_short_timeout(tmp_path: Path) -> None:
     """Saves (rank 1 waits while rank 0 writes) and evaluation do not count as hangs."""
     run = tmp_path / "run"
     ok(run_trainer([*SMALL, f"run.dir={run}", "dist.heartbeat_timeout_s=3", "checkpoint.every_steps=4",
-                    "debug.save_delay_s=0.5", "train.epochs=2"], tmp_path, nproc=2))
+                    "train.epochs=2"], tmp_path, nproc=2, env=faults(save_delay_s=0.5)))
     assert not (run / "hang").exists()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL, exported
+from .conftest import ROOT, SMALL, exported, faults
 
 SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 
@@ -95,8 +95,8 @@ def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, la
 
 
 def _slow_job(slurm_env: dict[str, str], run: Path, launcher: str, extra: list[str]) -> str:
-    args = [*SMALL, "train.epochs=2", "debug.step_delay_s=0.3", f"run.dir={run}", *extra]
-    proc = cluster_cmd(["--launcher", launcher, "--", *args], slurm_env)
+    args = [*SMALL, "train.epochs=2", f"run.dir={run}", *extra]
+    proc = cluster_cmd(["--launcher", launcher, "--", *args], {**slurm_env, **faults(step_delay_s=0.3)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return job_id_of(proc.stdout)
 

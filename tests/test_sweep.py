@@ -16,8 +16,9 @@ from cluster import sweep
 from cluster.__main__ import main as cluster_main
 from cluster.sweep import SweepSpec, plan, status
 from trainer.config import load as load_train_config
+from trainer.files import write_json
 
-from .conftest import ROOT, SMALL
+from .conftest import ROOT, SMALL, faults
 from .test_slurm import sh, slurm_env, wait_for
 from .wandb_records import records
 
@@ -217,7 +218,7 @@ def fake_sweep(tmp_path: Path, mode: str, metrics: dict[int, float]) -> Path:
     for i, value in metrics.items():
         (folder / "trials" / str(i) / "result.json").write_text(json.dumps({"test_loss": value, "test_accuracy": 0.5}))
     (folder / "trials" / "3" / "requeue.json").write_text("{}")
-    sweep._write_json(folder / "sweep.json", {"sweep_id": folder.name, "spec": spec, "array_job_id": "999",
+    write_json(folder / "sweep.json", {"sweep_id": folder.name, "spec": spec, "array_job_id": "999",
                                              "trials": trials})
     return folder
 
@@ -428,7 +429,7 @@ def test_grid_sweep_runs_as_one_throttled_array_on_the_dev_cluster(slurm_env: di
 
 
 def test_a_preempted_trial_requeues_and_resumes_on_its_own(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    args = [a for a in SMALL if not a.startswith("train.epochs")] + ["train.epochs=2", "debug.step_delay_s=0.3"]
+    args = [a for a in SMALL if not a.startswith("train.epochs")] + ["train.epochs=2"]
     path = write(tmp_path, f"""
 name: rq
 profile: {{nodes: 1}}
@@ -437,7 +438,8 @@ args: {json.dumps(args)}
 parameters:
   optim.lr: [0.05, 0.1]
 """)
-    proc = sh([sys.executable, "-m", "cluster", "sweep", str(path)], slurm_env, cwd=tmp_path)
+    proc = sh([sys.executable, "-m", "cluster", "sweep", str(path)], {**slurm_env, **faults(step_delay_s=0.3)},
+              cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     folder = next((tmp_path / "sweeps").iterdir())
     array = json.loads((folder / "sweep.json").read_text())["array_job_id"]

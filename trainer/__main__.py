@@ -16,8 +16,12 @@ def run(args: list[str]) -> dict[str, Any]:
     cfg = config_mod.load(args)
     env = discover()
     from trainer import dist
+    from trainer.build import check
+    from trainer.faults import load as load_faults
     from trainer.train import fit
 
+    load_faults()  # a bad TRAINER_FAULTS fails here, like bad config
+    check(cfg)  # every target resolves and the model builds (on the meta device) before the process group
     device = dist.pick_device(env, cfg.train.device)
     try:
         dist.setup(env, cfg, device)

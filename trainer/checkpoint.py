@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from trainer.dist import gather
+from trainer.files import fsync_dir, tmp_path, write_json
+
 PREFIX = "step_"
 FORMAT_VERSION = 1
 
@@ -66,25 +69,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either its old content or all of the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 class _Sink:
     """A file object for torch.save that counts bytes and hashes them on the way to disk: no copy in memory.
 
@@ -116,14 +100,14 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
     """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, XXH3-64).
 
     ``on_write`` is called before each chunk: a sign of life for the hang watchdog."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = tmp_path(path)
     with open(tmp, "wb") as f:
         sink = _Sink(f, delay_s, on_write)
         torch.save(obj, sink)  # type: ignore[arg-type]  # any object with write() will do
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return sink.size, sink.hash.hexdigest()
 
 
@@ -177,7 +161,7 @@ class Checkpointer:
         With ``blocking=False`` rank 0 only copies the state into its host buffers before the barrier
         and writes it in a background thread (one at a time).
         """
-        state = dict(state, rng=_gather(rng_state()))
+        state = dict(state, rng=gather(rng_state()))
         path = self.folder / f"{PREFIX}{step:08d}.pt"
         status: list[Any] = [None]
         if self.is_main:
@@ -229,7 +213,7 @@ class Checkpointer:
             "time": time.time(),
             "version": FORMAT_VERSION,
         }
-        write_atomic(path.with_suffix(".json"), json.dumps(manifest, indent=1).encode())
+        write_json(path.with_suffix(".json"), manifest)
         # A pointer for people and tools; resuming trusts the manifests, so it needs no fsync of its own.
         latest = self.folder / ".latest.tmp"
         latest.write_text(path.name)
@@ -244,13 +228,6 @@ class Checkpointer:
         for orphan in self.folder.glob(f"{PREFIX}*.pt"):
             if orphan not in marked and marked and orphan.stat().st_mtime < min(p.stat().st_mtime for p in marked):
                 orphan.unlink(missing_ok=True)
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's object, in rank order, on every rank."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def committed(folder: Path) -> list[Path]:

@@ -19,12 +19,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import UserError
+from trainer.files import load_yaml
 
 
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    """Data set: synthetic (built in, no download), mnist, cifar10 or imagefolder."""
+    """Built-in data set: synthetic (no download), mnist, cifar10 or imagefolder; ignored when data.target is set."""
+    target: str | None = None
+    """Your data: import path (pkg.mod:build or pkg.mod.build) of a function returning (train, eval) data sets
+    (eval may be None); map-style sets get the exact-resume sampler, iterable ones need train.max_steps."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for data.target, e.g. data.kwargs.path=/data/x."""
     root: str | None = None
     """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
     batch_size: int = 32
@@ -45,11 +51,17 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "cnn"
-    """Model: cnn (the small conv net, 1→10→10 conv, fc to classes) or resnet18 (torchvision)."""
+    """Built-in model: cnn (the small conv net, 1→10→10 conv, fc to classes) or any torchvision classification
+    model by name (resnet18, vgg16, mobilenet_v3_small, …; untrained); ignored when model.target is set."""
+    target: str | None = None
+    """Your model: import path (pkg.mod:Class or pkg.mod.factory) of an nn.Module class or a function returning one."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for model.target (or extra ones for a torchvision model), e.g. model.kwargs.depth=6."""
     num_classes: int = 10
-    """Number of output classes (imagefolder: must match the number of class folders)."""
+    """Number of output classes of the built-in models (imagefolder: must match the number of class folders)."""
     small_input_stem: bool = True
-    """resnet18 only: 3×3 stride-1 first conv and no max-pool, for 28–32 px images."""
+    """torchvision models on small images (< 64 px): resnets get a 3×3 stride-1 first conv and no max-pool, VGGs
+    lose their last max-pool, so 28–32 px inputs keep a spatial extent."""
 
 
 @dataclass
@@ -73,9 +85,22 @@ class OptimConfig:
 
 
 @dataclass
+class TaskConfig:
+    target: str | None = None
+    """How a batch becomes a loss and evaluation metrics: import path of a class or factory returning a Task
+    (see trainer/task.py); default: image classification (cross-entropy, accuracy)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for task.target."""
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 3
     """Passes over the training data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: train.epochs decides); required for iterable data sets."""
+    eval_every: int = 0
+    """Optimizer steps between evaluations; 0: at each epoch end (map-style data) and at the end of training."""
     seed: int = 0
     """Seed for data, initial weights and shuffling; equal seeds give equal runs."""
     precision: str = "fp32"
@@ -89,6 +114,8 @@ class TrainConfig:
     sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless already set, as cuBLAS requires."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cpu or cuda."""
+    checksum: bool = False
+    """At the end, hash every parameter on every rank into result.json (a full model copy to the CPU: for tests)."""
 
 
 @dataclass
@@ -131,6 +158,8 @@ class RunConfig:
     """Run folder (config, checkpoints, results). Default: runs/<Slurm job id>, else runs/<time stamp>."""
     name: str | None = None
     """Human-readable run name (tracking); default: the run folder's name."""
+    python_path: list[str] = field(default_factory=list)
+    """Folders to make importable for model/data/task targets (the folder the job starts from always is)."""
 
 
 @dataclass
@@ -150,27 +179,13 @@ class TrackingConfig:
 
 
 @dataclass
-class DebugConfig:
-    preempt_at_step: int = -1
-    """Testing: behave as if the preemption signal arrived during this micro-step (-1: never)."""
-    save_delay_s: float = 0.0
-    """Testing: sleep this long in the middle of writing a checkpoint file."""
-    step_delay_s: float = 0.0
-    """Testing: sleep this long after every optimizer step (slows a run so signals land mid-training)."""
-    oom_at_step: int = -1
-    """Testing: raise torch.OutOfMemoryError in this micro-step (-1: never), through the real handler."""
-    hang_at_step: int = -1
-    """Testing: rank debug.hang_rank stops forever while fetching this micro-step's batch (-1: never)."""
-    hang_rank: int = 1
-    """Testing: the rank that debug.hang_at_step stops."""
-
-
-@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """Input data."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Network."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Loss and evaluation metrics."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -183,13 +198,10 @@ class Config:
     """Run folder."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Weights & Biases run tracking (rank 0 only)."""
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    """Hooks for tests; leave alone."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.name": ("synthetic", "mnist", "cifar10", "imagefolder"),
-    "model.name": ("cnn", "resnet18"),
     "optim.name": ("sgd", "adamw"),
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
@@ -203,7 +215,7 @@ POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test
             "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
 NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
                 "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
-                "debug.save_delay_s", "debug.step_delay_s")
+                "train.max_steps", "train.eval_every")
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -237,16 +249,7 @@ def _err(key: str, message: str, hint: str | None = None) -> UserError:
 
 
 def _yaml(path: Path, key: str) -> DictConfig:
-    if not path.is_file():
-        raise _err(key, f"file {str(path)!r} does not exist", "pass an existing YAML file, e.g. config=my.yaml")
-    try:
-        loaded = OmegaConf.load(path)
-    except Exception as exc:  # yaml's parser errors are many classes
-        first = str(exc).splitlines()[0]
-        raise _err(key, f"{str(path)!r} is not valid YAML ({first})", "fix the YAML syntax") from None
-    if not isinstance(loaded, DictConfig):
-        raise _err(key, f"{str(path)!r} must hold a mapping of keys", "write it as `group: {key: value}`")
-    return loaded
+    return load_yaml(path, key, "pass an existing YAML file, e.g. config=my.yaml")
 
 
 def _config_path(value: str) -> Path:
@@ -281,13 +284,14 @@ def load(args: list[str]) -> Config:
             raise _err(str(key), f"in {name}: {_describe(exc)}") from None
     for item in overrides:
         key, value = item.split("=", 1)
-        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+        free = key in FREE_FORM or key.startswith(tuple(f"{k}." for k in FREE_FORM))  # the user's own kwargs
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING and not free:
             group = key.split(".")[0]
             valid = [f.name for f in fields(Config)]
             hint = (f"valid keys under {group!r}: {', '.join(sorted(cfg[group].keys()))}" if group in valid
                     else f"keys start with one of: {', '.join(valid)}")
             raise _err(key, "unknown key", hint)
-        if isinstance(OmegaConf.select(cfg, key), DictConfig):
+        if isinstance(OmegaConf.select(cfg, key), DictConfig) and not free:
             raise _err(key, "is a group, not a value", "set one of its keys, e.g. optim.lr=0.1")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
@@ -299,6 +303,8 @@ def load(args: list[str]) -> Config:
 
 
 _MISSING = object()
+FREE_FORM = ("model.kwargs", "data.kwargs", "task.kwargs")
+"""Mappings whose keys are the user's (a factory's parameters): any key may be set under them."""
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -321,12 +327,9 @@ def validate(cfg: Config) -> None:
             raise _err(key, f"must be >= 0, got {v}", f"pass zero or a positive number, e.g. {key}=0")
     if cfg.data.num_workers < -1:
         raise _err("data.num_workers", f"must be >= -1, got {cfg.data.num_workers}", "-1 (auto), 0, or a count")
-    if cfg.data.name != "synthetic" and not cfg.data.root:
+    if cfg.data.name != "synthetic" and not cfg.data.root and not cfg.data.target:
         raise _err("data.root", f"is required for data.name={cfg.data.name}",
                    "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
-    if cfg.data.name == "synthetic" and cfg.data.image_size % 4:
-        raise _err("data.image_size", f"must be a multiple of 4 for the cnn, got {cfg.data.image_size}",
-                   "e.g. data.image_size=28")
     if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
         raise _err("train.precision", "fp16 needs CUDA (GradScaler)", "use train.precision=bf16 or fp32 on the CPU")
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():

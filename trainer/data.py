@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
+from trainer import plugins
 from trainer.config import Config
 from trainer.env import DistEnv
 from trainer.errors import UserError
@@ -22,12 +23,17 @@ from trainer.errors import UserError
 
 @dataclass
 class Data:
-    """Train/test sets plus the image shape the model must accept."""
+    """Train and evaluation sets, plus the image shape the built-in models must accept (when known)."""
 
     train: Dataset[Any]
-    test: Dataset[Any]
+    test: Dataset[Any] | None
     in_channels: int
     image_size: int
+
+    @property
+    def iterable(self) -> bool:
+        """An IterableDataset: no sampler, no epoch length; each rank reads its own stream."""
+        return isinstance(self.train, IterableDataset)
 
 
 class InMemory(TensorDataset):
@@ -102,8 +108,49 @@ def torchvision_data(cfg: Config) -> Data:
     return Data(train, test, 3, size)
 
 
+def _is_data(obj: Any) -> bool:
+    return isinstance(obj, (Dataset, IterableDataset)) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+def _image_shape(ds: Any) -> tuple[int, int]:
+    """(channels, size) of a map-style set's first ``(image, label)`` sample; (3, 32) when it holds no image."""
+    try:
+        sample = ds[0] if not isinstance(ds, IterableDataset) else None
+    except Exception:
+        sample = None
+    x = sample[0] if isinstance(sample, (tuple, list)) and sample else sample
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return int(x.shape[0]), int(x.shape[-1])
+    return 3, 32
+
+
+def user_data(cfg: Config) -> Data:
+    """``data.target(**data.kwargs)``: a (train, eval) pair of data sets (eval may be None), or a Data."""
+
+    def fits(obj: Any) -> bool:
+        return isinstance(obj, Data) or (isinstance(obj, (tuple, list)) and len(obj) == 2 and _is_data(obj[0])
+                                         and (obj[1] is None or _is_data(obj[1])))
+
+    assert cfg.data.target
+    out = plugins.build(cfg.data.target, cfg.data.kwargs, "data.target", fits,
+                        "a (train, eval) pair of data sets (eval may be None)")
+    if isinstance(out, Data):
+        return out
+    train, test = out
+    return Data(train, test, *_image_shape(train))
+
+
 def build_data(cfg: Config) -> Data:
-    """The configured data set."""
+    """The configured data: the user's ``data.target``, or a built-in set."""
+    if cfg.data.target:
+        data = user_data(cfg)
+        if data.iterable and not cfg.train.max_steps:
+            raise UserError("train.max_steps", "is required with an iterable data set (it has no epoch length)",
+                            "e.g. train.max_steps=1000")
+        return data
+    if cfg.data.name != "synthetic" and not cfg.data.root:
+        raise UserError("data.root", f"is required for data.name={cfg.data.name}",
+                        "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
     return synthetic(cfg) if cfg.data.name == "synthetic" else torchvision_data(cfg)
 
 
@@ -150,13 +197,15 @@ def _worker_init(signals: tuple[int, ...], worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device,
-            ignore_signals: tuple[int, ...]) -> tuple[DataLoader, ResumableSampler, DataLoader]:  # type: ignore[type-arg]
-    """Train loader (with its sampler, for ``start_epoch``) and evaluation loader."""
+def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device, ignore_signals: tuple[int, ...]
+            ) -> tuple[DataLoader, ResumableSampler | None, DataLoader | None]:  # type: ignore[type-arg]
+    """Train loader (with its sampler, for ``start_epoch``; None for iterable sets) and evaluation loader."""
     workers = cfg.data.num_workers
     if workers < 0:  # auto: worker processes only pay off when there is decoding or augmentation to do
         per_process = max(1, (os.cpu_count() or 1) // env.local_world_size)
-        workers = 0 if cfg.data.name == "synthetic" else min(4, max(1, per_process - 1))
+        # Iterable sets: in-process, so a Stateful set's position is the loader's (workers hold copies).
+        in_process = isinstance(data.train, InMemory) or data.iterable
+        workers = 0 if in_process else min(4, max(1, per_process - 1))
     common = dict(
         batch_size=cfg.data.batch_size,
         shuffle=False,  # the sampler shuffles
@@ -169,7 +218,10 @@ def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device,
         # In-memory sets skip the per-sample collate (a few % of a small model's step on the CPU).
         collate_fn=_batched if isinstance(data.train, InMemory) else None,
     )
-    sampler = ResumableSampler(data.train, env, cfg.train.seed)
+    sampler = None if data.iterable else ResumableSampler(data.train, env, cfg.train.seed)
     train = DataLoader(data.train, sampler=sampler, **common)  # type: ignore[arg-type]
-    test = DataLoader(data.test, sampler=ShardSampler(len(data.test), env), **common)  # type: ignore[arg-type]
+    test = None
+    if data.test is not None:
+        shard = None if isinstance(data.test, IterableDataset) else ShardSampler(len(data.test), env)  # type: ignore[arg-type]
+        test = DataLoader(data.test, sampler=shard, **common)  # type: ignore[arg-type]
     return train, sampler, test

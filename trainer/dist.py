@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,3 +83,37 @@ def teardown() -> None:
             # `python -m trainer` then skips finalization anyway; this narrows the window for in-process
             # callers such as the submitit task, which must return its result through Python.
             time.sleep(0.2)
+
+
+def say(env: DistEnv, msg: str) -> None:
+    """Print from rank 0 only; everything a user reads goes through here."""
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and hand its result, or its UserError, to every rank: no rank is left waiting."""
+    box: list[Any] = [None]
+    if env.is_main:
+        try:
+            box[0] = ("ok", fn())
+        except UserError as err:
+            box[0] = ("error", (err.field, err.message, err.hint))
+        except Exception as exc:  # re-raised on rank 0 with its traceback, reported on the others
+            box[0] = ("crash", f"{type(exc).__name__}: {exc}")
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise UserError(*value)
+    if kind == "crash":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's object, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

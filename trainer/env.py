@@ -25,6 +25,7 @@ TRAINER_VARIABLES = (
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
+    "TRAINER_FAULTS",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -116,6 +117,11 @@ def host_facts(environ: Mapping[str, str] | None = None, root: str = "/") -> Hos
         container = "podman"
     return HostFacts(cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), container=container,
                      node=env.get("SLURMD_NODENAME") or socket.gethostname())
+
+
+def fault_spec(environ: Mapping[str, str] | None = None) -> str:
+    """TRAINER_FAULTS: faults the tests inject (see trainer/faults.py); never part of the public config."""
+    return (os.environ if environ is None else environ).get("TRAINER_FAULTS", "")
 
 
 def without_placement(environ: Mapping[str, str]) -> dict[str, str]:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.env import DistEnv
+from trainer.files import write_atomic, write_json
 
 EXIT_HANG = 3
 """Exit code after a hang report (no step finished for ``dist.heartbeat_timeout_s`` on some rank)."""
@@ -109,9 +110,8 @@ class Heartbeat:
             last = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seq": self.seq,
                     "step": self.step, "phase": self.phase, "silent_s": round(silent, 1),
                     "nccl_trace": dump_nccl_trace(self.folder / f"nccl_trace_rank_{rank}.pkl")}
-            tmp = self.folder / f".rank_{rank}.json.tmp"
-            tmp.write_text(json.dumps(last))
-            os.replace(tmp, self.folder / f"rank_{rank}.json")  # the .json marks the .txt as complete
+            # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
+            write_json(self.folder / f"rank_{rank}.json", last, durable=False)
         report = self.folder / "report.txt"
         deadline = time.monotonic() + grace
         if rank == 0:
@@ -119,9 +119,7 @@ class Heartbeat:
                 time.sleep(0.2)
             text = build_report(self.folder, world, self.timeout_s)
             with contextlib.suppress(OSError):
-                tmp = self.folder / ".report.txt.tmp"
-                tmp.write_text(text)
-                os.replace(tmp, report)
+                write_atomic(report, text, durable=False)
             print(text, file=sys.stderr, flush=True)
         else:
             while not report.exists() and time.monotonic() < deadline + grace:

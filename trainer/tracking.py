@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import write_atomic
 from trainer.config import Config
 from trainer.env import DistEnv, JobInfo
+from trainer.files import write_json
 
 
 def has_route(host: str = "api.wandb.ai", port: int = 443, timeout: float = 3.0) -> bool:
@@ -118,7 +118,7 @@ class Tracker:
         self.run = None
 
     def _save_state(self) -> None:
-        write_atomic(self.state_file, json.dumps({"run_id": self.run_id, "last_step": self.last_step}).encode())
+        write_json(self.state_file, {"run_id": self.run_id, "last_step": self.last_step})
 
     def _fail(self, exc: Exception) -> None:
         print(f"warning: W&B tracking disabled after an error: {type(exc).__name__}: {exc}; training continues",

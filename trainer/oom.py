@@ -1,0 +1,40 @@
+"""What to print when a rank runs out of memory: a summary, concrete hints, exit 2; the last checkpoint is untouched."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import Config
+from trainer.env import DistEnv
+from trainer.errors import UserError
+
+
+def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, progress: ckpt.Progress,
+                  setup: bool = False) -> UserError:
+    """What to print when this rank runs out of memory; nothing is saved, so the last checkpoint stays intact.
+
+    A function, not a Trainer method: construction (``setup``) may fail before there is a Trainer to ask.
+    """
+    if device.type == "cuda":
+        print(torch.cuda.memory_summary(device, abbreviated=True), file=sys.stderr, flush=True)
+    b, accum = cfg.data.batch_size, cfg.optim.grad_accum
+    if setup:  # before the first batch: the weights, optimizer state or DDP's buckets do not fit, whatever the batch
+        key = "model.target" if cfg.model.target else "model.name"
+        where = f"rank {env.rank}, setting up before step {progress.global_step}"
+        hints = ["check that nothing else holds this GPU's memory (nvidia-smi): one trainer process per GPU",
+                 f"a smaller model than {cfg.model.target or cfg.model.name}, or a GPU with more memory",
+                 "checkpoints are untouched"]
+    else:
+        key, where = "data.batch_size", f"rank {env.rank}, step {progress.global_step}, epoch {progress.epoch}"
+        hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} "
+                 f"optim.grad_accum={accum * 2}"]
+        if cfg.train.precision == "fp32":
+            hints.append("train.precision=bf16 (about half the activation memory)")
+        hints += ["activation checkpointing (torch.utils.checkpoint) in the model's largest blocks",
+                  "evaluation already runs under torch.no_grad; a checkpoint, if any, is untouched"]
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # torch may raise it with no message
+    return UserError(key, f"out of memory ({where}; batch {b} per process, {cfg.train.precision}): {first_line}",
+                     "; ".join(hints))
