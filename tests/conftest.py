@@ -44,11 +44,12 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_trainer(args: list[str], cwd: Path, nproc: int = 1, env: dict[str, str] | None = None,
-                timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node=nproc -m trainer args`` (or plain ``python -m trainer``)."""
+                timeout: float = 240, script: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node=nproc -m trainer args`` (or plain ``python -m trainer``; or SCRIPT)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    return subprocess.run([*launcher, "-m", "trainer", *args], cwd=cwd, env=clean_env(env),
+    target = [str(script)] if script else ["-m", "trainer"]
+    return subprocess.run([*launcher, *target, *args], cwd=cwd, env=clean_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -95,7 +96,7 @@ def free_port() -> int:
 
 
 def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] | None = None,
-                module: str = "trainer") -> list[subprocess.Popen[str]]:
+                module: str = "trainer", script: Path | None = None) -> list[subprocess.Popen[str]]:
     """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between.
 
     Each rank leads its own process group, so a test can signal a rank together with its
@@ -106,7 +107,8 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
     for rank in range(world):
         rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=clean_env(rank_env),
+        target = [str(script)] if script else ["-m", module]
+        procs.append(subprocess.Popen([sys.executable, *target, *args], cwd=cwd, env=clean_env(rank_env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     return procs

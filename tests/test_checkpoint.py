@@ -45,8 +45,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, t
     ("plain", 2),      # mid-epoch
     ("plain", 7),      # last step of epoch 0: saved as the start of epoch 1
     ("plain", 12),     # mid-epoch 1
-    ("accum", 4),      # mid accumulation window (windows of 3 micro-steps), finished before the save
-    ("accum", 7),      # the short last window of the epoch (8 = 3 + 3 + 2)
+    ("accum", 1),      # mid-epoch, windows of 3 micro-batches
+    ("accum", 2),      # after the short last window of the epoch (8 = 3 + 3 + 2): saved as the next epoch's start
     ("workers", 5),    # persistent DataLoader workers
 ])
 def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, torch.Tensor]],
@@ -109,7 +109,7 @@ def test_truncated_and_unmarked_checkpoints_never_count(tmp_path: Path) -> None:
     (folder / "step_00000032.pt").write_bytes((folder / "step_00000032.pt").read_bytes()[:100])
     with pytest.warns(UserWarning, match="truncated"):
         path, state = ckpt.find_resumable(run)  # type: ignore[misc]
-    assert path.name == "step_00000030.pt" and state["progress"]["global_step"] == 30
+    assert path.name == "step_00000030.pt" and state["step"] == 30
     (folder / "step_00000030.json").unlink()  # no marker: an unfinished save
     with pytest.warns(UserWarning):
         path, _ = ckpt.find_resumable(run)  # type: ignore[misc]
@@ -212,7 +212,7 @@ def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_p
     proc = ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"], tmp_path,
                           env=faults(oom_at_step=14)), code=2)
     lines = proc.stderr.strip().splitlines()
-    assert lines[-2].startswith("error: data.batch_size: out of memory (rank 0, step 14")
+    assert lines[-2].startswith("error: data.batch_size: out of memory (rank 0, step 15")
     assert lines[-1].startswith("HINT: halve the batch") and "optim.grad_accum=2" in lines[-1]
     assert "Traceback" not in proc.stderr
     assert [m.name for m in ckpt.committed(run / "checkpoints")] == ["step_00000010.json"]
@@ -224,7 +224,7 @@ import sys
 
 import torch
 
-from trainer import train
+from trainer import session
 from trainer.__main__ import main
 
 
@@ -232,7 +232,7 @@ def ddp(*args, **kwargs):  # DDP's parameter broadcast running out of GPU memory
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
 
-train.DDP = ddp
+session.DDP = ddp
 sys.exit(main())
 """
 
@@ -257,9 +257,8 @@ def test_out_of_memory_message_survives_an_empty_exception_text() -> None:
     from trainer.train import out_of_memory
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
-    progress = ckpt.Progress(global_step=5)
     for setup in (False, True):
-        err = out_of_memory(torch.OutOfMemoryError(), Config(), env, torch.device("cpu"), progress, setup=setup)
+        err = out_of_memory(torch.OutOfMemoryError(), Config(), env, torch.device("cpu"), 5, setup=setup)
         assert err.message.endswith("fp32): OutOfMemoryError") and "step 5" in err.message, err.message
 
 

@@ -14,22 +14,14 @@ def run(args: list[str]) -> dict[str, Any]:
     """Train with ``key=value`` arguments in this process; return the summary (raises UserError on bad input)."""
     # Config and environment are checked before torch is even imported: bad input fails fast.
     cfg = config_mod.load(args)
-    env = discover()
-    from trainer import dist
+    discover()
     from trainer.build import check
     from trainer.faults import load as load_faults
     from trainer.train import fit
 
     load_faults()  # a bad TRAINER_FAULTS fails here, like bad config
     check(cfg)  # every target resolves and the model builds (on the meta device) before the process group
-    device = dist.pick_device(env, cfg.train.device)
-    try:
-        dist.setup(env, cfg, device)
-        result = fit(cfg, env, device)
-        dist.barrier()  # no rank tears down while another is still in a collective (gloo may abort then)
-        return result
-    finally:
-        dist.teardown()
+    return fit(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,7 @@ from trainer.dist import gather
 from trainer.files import fsync_dir, tmp_path, write_json
 
 PREFIX = "step_"
-FORMAT_VERSION = 1
-
-
-@dataclass
-class Progress:
-    """Where training stands: the position a resumed run continues from."""
-
-    epoch: int = 0
-    """Current epoch (0-based)."""
-    batches_in_epoch: int = 0
-    """Micro-batches of this epoch each rank has consumed."""
-    global_step: int = 0
-    """Optimizer steps taken so far."""
-    micro_step: int = 0
-    """Micro-step inside the accumulation window (saves happen at window ends, so 0 unless a format change)."""
+FORMAT_VERSION = 2
 
 
 def rng_state() -> dict[str, Any]:
@@ -169,10 +154,10 @@ class Checkpointer:
                 self.wait()
                 self.folder.mkdir(parents=True, exist_ok=True)
                 if blocking:
-                    self._commit(state, path)
+                    self._commit(state, path, step)
                 else:
                     staged = self._staging.stage(state)
-                    self._thread = threading.Thread(target=self._commit_bg, args=(staged, path), daemon=False)
+                    self._thread = threading.Thread(target=self._commit_bg, args=(staged, path, step), daemon=False)
                     self._thread.start()
             except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait at a barrier
                 status[0] = f"{type(exc).__name__}: {exc}"
@@ -193,13 +178,13 @@ class Checkpointer:
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
 
-    def _commit_bg(self, state: dict[str, Any], path: Path) -> None:
+    def _commit_bg(self, state: dict[str, Any], path: Path, step: int) -> None:
         try:
-            self._commit(state, path)
+            self._commit(state, path, step)
         except BaseException as exc:  # surfaced by wait()
             self._error = exc
 
-    def _commit(self, state: dict[str, Any], path: Path) -> None:
+    def _commit(self, state: dict[str, Any], path: Path, step: int) -> None:
         for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
             stale.unlink(missing_ok=True)
         size, digest = save_atomic(path, state, self.save_delay_s, self.on_write)
@@ -207,9 +192,7 @@ class Checkpointer:
             "file": path.name,
             "size": size,
             "xxh3_64": digest,
-            "global_step": state["progress"]["global_step"],
-            "epoch": state["progress"]["epoch"],
-            "batches_in_epoch": state["progress"]["batches_in_epoch"],
+            "global_step": step,
             "time": time.time(),
             "version": FORMAT_VERSION,
         }

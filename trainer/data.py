@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from trainer import plugins
 from trainer.config import Config
@@ -44,8 +41,9 @@ class InMemory(TensorDataset):
         return tuple(t[index] for t in self.tensors)
 
 
-def _batched(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return batch  # InMemory.__getitems__ already returns the batch
+def in_memory_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The collate function for InMemory sets: __getitems__ already returns the batch."""
+    return batch
 
 
 def synthetic(cfg: Config) -> Data:
@@ -189,39 +187,3 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
-
-
-def _worker_init(signals: tuple[int, ...], worker_id: int) -> None:
-    # Slurm signals every process of a step: workers must survive until the trainer has saved.
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def loaders(data: Data, cfg: Config, env: DistEnv, device: torch.device, ignore_signals: tuple[int, ...]
-            ) -> tuple[DataLoader, ResumableSampler | None, DataLoader | None]:  # type: ignore[type-arg]
-    """Train loader (with its sampler, for ``start_epoch``; None for iterable sets) and evaluation loader."""
-    workers = cfg.data.num_workers
-    if workers < 0:  # auto: worker processes only pay off when there is decoding or augmentation to do
-        per_process = max(1, (os.cpu_count() or 1) // env.local_world_size)
-        # Iterable sets: in-process, so a Stateful set's position is the loader's (workers hold copies).
-        in_process = isinstance(data.train, InMemory) or data.iterable
-        workers = 0 if in_process else min(4, max(1, per_process - 1))
-    common = dict(
-        batch_size=cfg.data.batch_size,
-        shuffle=False,  # the sampler shuffles
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
-        worker_init_fn=functools.partial(_worker_init, ignore_signals) if workers > 0 else None,
-        # Its own generator keeps the loader from drawing on the global RNG the model uses.
-        generator=torch.Generator().manual_seed(cfg.train.seed + env.rank),
-        # In-memory sets skip the per-sample collate (a few % of a small model's step on the CPU).
-        collate_fn=_batched if isinstance(data.train, InMemory) else None,
-    )
-    sampler = None if data.iterable else ResumableSampler(data.train, env, cfg.train.seed)
-    train = DataLoader(data.train, sampler=sampler, **common)  # type: ignore[arg-type]
-    test = None
-    if data.test is not None:
-        shard = None if isinstance(data.test, IterableDataset) else ShardSampler(len(data.test), env)  # type: ignore[arg-type]
-        test = DataLoader(data.test, sampler=shard, **common)  # type: ignore[arg-type]
-    return train, sampler, test

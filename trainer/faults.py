@@ -19,34 +19,32 @@ from trainer.errors import UserError
 @dataclass(frozen=True)
 class Faults:
     preempt_at_step: int = -1
-    """Behave as if the preemption signal arrived during this micro-step (-1: never)."""
+    """Behave as if the preemption signal arrived during this process's step N+1 (-1: never)."""
     save_delay_s: float = 0.0
     """Sleep this long in the middle of writing a checkpoint file (a kill then lands mid-save)."""
     step_delay_s: float = 0.0
     """Sleep this long after every optimizer step (slows a run so signals land mid-training)."""
     oom_at_step: int = -1
-    """Raise torch.OutOfMemoryError in this micro-step (-1: never), through the real handler."""
+    """Raise torch.OutOfMemoryError at the end of this process's step N+1 (-1: never), through the real handler."""
     hang_at_step: int = -1
-    """Rank ``hang_rank`` stops forever while fetching this micro-step's batch (-1: never)."""
+    """Rank ``hang_rank`` stops forever as this process's step N+1 starts (-1: never)."""
     hang_rank: int = 1
     """The rank that ``hang_at_step`` stops."""
 
-    def before_batch(self, micro: int, rank: int) -> None:
-        """A rank stuck outside any collective (a dead file system, a deadlock)."""
-        if micro == self.hang_at_step and rank == self.hang_rank:
+    def before_step(self, done: int, rank: int) -> None:
+        """A rank stuck outside any collective (a dead file system, a deadlock); ``done``: steps finished so far."""
+        if done == self.hang_at_step and rank == self.hang_rank:
             _stuck_for_test()
 
-    def after_micro_step(self, micro: int, preemption_signal: str) -> int:
-        """Called with the count of finished micro-steps; returns a signal number to act on (0: none)."""
-        if micro == self.oom_at_step + 1:
+    def after_step(self, done: int, preemption_signal: str) -> int:
+        """Called with the count of finished steps; returns a signal number to act on (0: none)."""
+        if done == self.oom_at_step + 1:
             raise torch.OutOfMemoryError("simulated out of memory (TRAINER_FAULTS oom_at_step)")
-        if micro == self.preempt_at_step + 1:
-            return int(getattr(signal, preemption_signal))
-        return 0
-
-    def after_step(self) -> None:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        if done == self.preempt_at_step + 1:
+            return int(getattr(signal, preemption_signal))
+        return 0
 
 
 def _stuck_for_test() -> None:

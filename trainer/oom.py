@@ -6,13 +6,12 @@ import sys
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer.config import Config
 from trainer.env import DistEnv
 from trainer.errors import UserError
 
 
-def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, progress: ckpt.Progress,
+def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, step: int, epoch: int = 0,
                   setup: bool = False) -> UserError:
     """What to print when this rank runs out of memory; nothing is saved, so the last checkpoint stays intact.
 
@@ -23,12 +22,12 @@ def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.d
     b, accum = cfg.data.batch_size, cfg.optim.grad_accum
     if setup:  # before the first batch: the weights, optimizer state or DDP's buckets do not fit, whatever the batch
         key = "model.target" if cfg.model.target else "model.name"
-        where = f"rank {env.rank}, setting up before step {progress.global_step}"
+        where = f"rank {env.rank}, setting up before step {step}"
         hints = ["check that nothing else holds this GPU's memory (nvidia-smi): one trainer process per GPU",
                  f"a smaller model than {cfg.model.target or cfg.model.name}, or a GPU with more memory",
                  "checkpoints are untouched"]
     else:
-        key, where = "data.batch_size", f"rank {env.rank}, step {progress.global_step}, epoch {progress.epoch}"
+        key, where = "data.batch_size", f"rank {env.rank}, step {step}, epoch {epoch}"
         hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} "
                  f"optim.grad_accum={accum * 2}"]
         if cfg.train.precision == "fp32":

@@ -1,4 +1,4 @@
-"""Resume: find the newest complete checkpoint (rank 0 verifies it), read it once per rank, restore the state."""
+"""Resume: find the newest complete checkpoint (rank 0 verifies it and reads it once; each other rank reads it once)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from trainer import checkpoint as ckpt
 from trainer.config import Config
@@ -56,17 +55,6 @@ def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
     return Resumed(Path(chosen), state)
 
 
-def load_model(model: nn.Module, state: dict[str, Any], path: Path, record: dict[str, Any]) -> None:
-    """Weights into ``model``; a checkpoint of another architecture is a UserError, not a key listing."""
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        raise UserError("checkpoint.resume", f"{path} does not fit the model {record['model']['target']} ({first})",
-                        "resume with the model it was trained with, or start afresh: checkpoint.resume=never "
-                        "or another run.dir") from None
-
-
 def notes(cfg: Config, env: DistEnv, state: dict[str, Any], record: dict[str, Any]) -> None:
     """Say what differs from the run that wrote the checkpoint: training goes on, but not as it would have."""
     for group, key in (("data", "name"), ("data", "batch_size"), ("optim", "grad_accum"), ("train", "seed")):
@@ -75,22 +63,7 @@ def notes(cfg: Config, env: DistEnv, state: dict[str, Any], record: dict[str, An
             say(env, f"note: {group}.{key} was {was!r} in the checkpoint, now {now!r}: training continues, "
                      "but not as the original run would")
     for group, now in record.items():
-        was = state.get("plugins", {}).get(group)
+        was = state.get("meta", {}).get("plugins", {}).get(group)
         if was and (was["target"], was["kwargs"]) != (now["target"], now["kwargs"]):
             say(env, f"note: {group} was {was['target']} {was['kwargs']} in the checkpoint, now {now['target']} "
                      f"{now['kwargs']}")
-
-
-def restore_position(progress: ckpt.Progress, state: dict[str, Any], cfg: Config, env: DistEnv) -> bool:
-    """Progress (converted to this world size) and this rank's generators; True when the resume is exact."""
-    for k, v in state["progress"].items():
-        setattr(progress, k, v)
-    if state["world_size"] == env.world_size:
-        ckpt.set_rng_state(state["rng"][env.rank])
-        return True
-    # batches_in_epoch counts per rank: convert through the samples the whole job consumed.
-    consumed = progress.batches_in_epoch * state["config"]["data"]["batch_size"] * state["world_size"]
-    progress.batches_in_epoch = consumed // (cfg.data.batch_size * env.world_size)
-    say(env, f"note: checkpoint was written by {state['world_size']} processes, now {env.world_size}: the epoch "
-             "continues after the samples already seen (to within one batch), but not bit-exactly")
-    return False

@@ -1,4 +1,4 @@
-"""Run under torchrun: every rank builds the trainer's real loaders and reports the indices it gets.
+"""Run under torchrun: every rank builds the real training loader of a session and reports the indices it gets.
 
 Rank 0 prints one JSON line: {"epochs": [[rank0 indices, rank1 indices, ...], ...], "n": dataset size}.
 """
@@ -7,27 +7,20 @@ import json
 
 import torch.distributed as dist
 
-from trainer.config import load
-from trainer.data import build_data, loaders
-from trainer.dist import pick_device, setup, teardown
-from trainer.env import discover
+import trainer
+from trainer.data import build_data
 
-cfg = load(["data.synthetic_train_size=100", "data.synthetic_test_size=10", "data.batch_size=8", "data.num_workers=1"])
-env = discover()
-device = pick_device(env, "cpu")
-setup(env, cfg, device)
-try:
-    data = build_data(cfg)
-    train, sampler, _ = loaders(data, cfg, env, device, ())
+with trainer.Session(["data.synthetic_train_size=100", "data.synthetic_test_size=10", "train.device=cpu"]) as sess:
+    data = build_data(sess.cfg)
+    loader = sess.loader(data.train, batch_size=8, num_workers=1)
     epochs = []
     for epoch in range(2):
-        sampler.start_epoch(epoch)
-        mine = list(sampler)
-        assert sum(len(y) for _, y in train) == len(mine)  # the loader really draws that many
-        everyone: list[list[int]] = [[] for _ in range(env.world_size)]
+        assert loader.epoch == epoch and loader.sampler is not None
+        loader.sampler.start_epoch(epoch)
+        mine = list(loader.sampler)
+        assert sum(len(y) for _, y in loader) == len(mine)  # the loader really draws that many, for this epoch
+        everyone: list[list[int]] = [[] for _ in range(sess.env.world_size)]
         dist.all_gather_object(everyone, mine)
         epochs.append(everyone)
-    if env.is_main:
-        print(json.dumps({"epochs": epochs, "n": len(data.train)}))
-finally:
-    teardown()
+    if sess.is_main:
+        print(json.dumps({"epochs": epochs, "n": len(data.train)}))  # type: ignore[arg-type]

@@ -1,0 +1,131 @@
+"""The public session API for a user's own loop: the char LM example and a minimal loop, with real gloo processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+
+from .conftest import ROOT, faults, ok, result_of, run_trainer, spawn_ranks
+from .test_tracking import run_files
+from .wandb_records import summary
+
+CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
+LM = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "60000", "--batch-size", "8", "--sample", "1",
+      "tracking.mode=disabled"]
+
+
+def last_weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(result_of(run)["checkpoint"], weights_only=True)["model"]  # type: ignore[no-any-return]
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_random_step(tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    proc = ok(run_trainer([*LM, f"run.dir={ref}"], tmp_path, nproc=2, script=CHAR_LM))
+    # ln 256 ≈ 5.55 nats for a uniform guess over bytes; 24 steps of the tiny GPT reach well below 3.4.
+    assert result_of(ref)["test_loss"] < 3.4, proc.stdout
+    assert "sample:" in proc.stdout
+    at = random.randrange(1, 22)  # signalled during step at+1; agreed at its end (poll_steps=1)
+    ranks = spawn_ranks([*LM, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, env=faults(preempt_at_step=at),
+                        script=CHAR_LM)
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], (at, outs)
+    assert (run / "requeue.json").exists() and "exiting with 75" in outs[0]
+    second = ok(run_trainer([*LM, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, nproc=2, script=CHAR_LM))
+    assert f"resumed from {run / 'checkpoints' / f'step_{at + 1:08d}.pt'} at step {at + 1}" in second.stdout
+    assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
+
+
+def test_char_lm_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*LM, f"run.dir={run}", "checkpoint.every_steps=5"]
+    ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=30), script=CHAR_LM)
+    folder, deadline = run / "checkpoints", time.monotonic() + 150
+    # Every save sleeps half-written for 30 s: wait for the first to commit and the second to be under way.
+    while not ((folder / "step_00000005.json").exists() and (folder / ".step_00000010.pt.tmp").exists()):
+        assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline
+        time.sleep(0.2)
+    for p in ranks:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert [m.name for m in ckpt.committed(folder)] == ["step_00000005.json"]
+    proc = ok(run_trainer(args, tmp_path, nproc=2, script=CHAR_LM))
+    assert "at step 5" in proc.stdout and result_of(run)["global_step"] == 24
+
+
+USER_LOOP = '''
+import sys
+
+import torch
+
+import trainer
+
+
+def main() -> int:
+    with trainer.Session(sys.argv[1:]) as sess:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 4, generator=gen)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        model = sess.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = sess.loader(data, batch_size=16)
+        notes = {"seen": 0}  # the user's own state rides along in the checkpoint
+        start = sess.restore(model=model, optimizer=opt, loader=loader, notes=notes)
+        batches = loader.forever()
+        for step in sess.steps(start, 20):
+            xb, yb = next(batches)
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            notes["seen"] += len(xb)
+            sess.log({"loss": loss}, step)
+            if sess.should_save(step):
+                sess.save(step)
+                if sess.preempted:
+                    break
+        return sess.finish({"test_loss": float(loss), "seen": notes["seen"]})
+
+
+trainer.main(main)
+'''
+
+
+def test_a_minimal_user_loop_trains_saves_resumes_exactly_and_logs_one_wandb_run(tmp_path: Path) -> None:
+    script = tmp_path / "user_loop.py"
+    script.write_text(textwrap.dedent(USER_LOOP))
+    assert "from trainer." not in USER_LOOP and "_" not in "".join(w for w in USER_LOOP.split() if "trainer." in w)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([f"run.dir={ref}", "tracking.mode=disabled"], tmp_path, nproc=2, script=script))
+    args = [f"run.dir={run}", "tracking.mode=offline"]
+    ranks = spawn_ranks(args, tmp_path, env=faults(preempt_at_step=8), script=script)
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs
+    ok(run_trainer(args, tmp_path, nproc=2, script=script))
+    assert same(last_weights(run), last_weights(ref))
+    result = result_of(run)
+    assert result["seen"] == result_of(ref)["seen"] == 20 * 16 * 1  # rank 0's count, carried across the restart
+    files = run_files(run)
+    assert len(files) == 2 and len({summary(f)["run_id"] for f in files}) == 1  # one W&B run across the restart
+    steps = [s for f in files for s in sorted(summary(f)["history"])]
+    assert steps == list(range(1, 21)), steps  # every step logged once
+
+
+def test_session_errors_are_clear(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text("import trainer\n\ndef main():\n    with trainer.Session(['optim.lrr=1']) as s:\n        return 0\n\n"
+                      "trainer.main(main)\n")
+    proc = ok(run_trainer([], tmp_path, script=script), code=2)
+    assert proc.stderr.startswith("error: optim.lrr: unknown key") and "HINT:" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,307 @@
+"""The runtime for a training loop you write yourself (the built-in trainer uses it too).
+
+    with trainer.Session(sys.argv[1:]) as sess:             # process group, device, signals (key=value overrides)
+        model = sess.wrap(Net())                             # DDP on this rank's device
+        opt = torch.optim.AdamW(model.parameters())
+        loader = sess.loader(dataset, batch_size=32)         # exact-resume sampler, position as state
+        start = sess.restore(model=model, optimizer=opt, loader=loader)   # run folder; the step to continue from
+        batches = loader.forever()
+        for step in sess.steps(start, 1000):                 # step = start+1 … 1000
+            loss = model(*next(batches)); loss.backward(); opt.step(); opt.zero_grad()
+            sess.log({"loss": loss}, step)
+            if sess.should_save(step):                       # signal or schedule, agreed by every rank
+                sess.save(step)
+                if sess.preempted:
+                    break
+        return sess.finish()                                 # 0, or 75 after a preemption save (launchers requeue)
+
+Saving never happens in a signal handler: a signal sets a flag that ``should_save`` turns into one agreed save.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from trainer import checkpoint as ckpt
+from trainer import dist as tdist
+from trainer import faults as faults_mod
+from trainer.config import Config, load, to_yaml
+from trainer.data import InMemory, in_memory_batch
+from trainer.env import discover, job_info
+from trainer.errors import EXIT_REQUEUE, UserError
+from trainer.heartbeat import Heartbeat
+from trainer.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
+from trainer.preemption import Preemption, SavePolicy
+from trainer.resume import Resumed, find
+from trainer.rundir import RunDir
+from trainer.tracking import Tracker
+
+STATE_VERSION = 1
+
+
+class PerRank:
+    """Wrap a stateful object whose state differs per rank (an iterable data set's position): saved from every rank,
+    restored to the same rank when the world size is unchanged."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+def _unwrap(obj: Any) -> Any:
+    return obj.module if isinstance(obj, DDP) else obj
+
+
+def _state_of(obj: Any) -> Any:
+    return dict(obj) if isinstance(obj, dict) else _unwrap(obj).state_dict()
+
+
+def _load_into(obj: Any, state: Any) -> None:
+    if isinstance(obj, dict):
+        obj.clear()
+        obj.update(state)
+    else:
+        _unwrap(obj).load_state_dict(state)
+
+
+class Session:
+    """One process's share of a job: from the environment and a config (``key=value`` overrides or a Config)."""
+
+    def __init__(self, config: Config | list[str] | None = None, extra_config: Mapping[str, Any] | None = None) -> None:
+        self.cfg = config if isinstance(config, Config) else load(list(config or []))
+        self.extra_config = dict(extra_config or {})
+        self.env = discover()
+        self.faults = faults_mod.load()
+        self.device = tdist.pick_device(self.env, self.cfg.train.device)
+        tdist.setup(self.env, self.cfg, self.device)
+        self.signals = tuple({getattr(signal, self.cfg.checkpoint.signal), signal.SIGTERM})
+        self.preemption = Preemption(self.signals)
+        torch.manual_seed(self.cfg.train.seed)
+        self.objects: dict[str, Any] = {}
+        self.loaders: list[DataLoader[Any]] = []
+        self.resumed: Resumed | None = None
+        """The checkpoint this run continued from (its path and state), after ``restore``."""
+        self.step = 0
+        """The last step ``steps`` handed out (or ``restore`` returned)."""
+        self.steps_here = 0
+        """Steps this process finished."""
+        self.saved_step: int | None = None
+        self.preempted_by: signal.Signals | None = None
+        self.summary: dict[str, Any] = {}
+        """What ``finish`` wrote to result.json (on every rank)."""
+        self.run: RunDir | None = None
+        self.last_path: Path | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that writes files, prints and talks to W&B."""
+        return self.env.is_main
+
+    @property
+    def run_dir(self) -> Path:
+        return self._run().path
+
+    def print(self, msg: str) -> None:
+        """Print on rank 0 only."""
+        tdist.say(self.env, msg)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model on this rank's device inside DDP (save and restore see the unwrapped module)."""
+        model = model.to(self.device)
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
+        """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
+        if isinstance(dataset, InMemory):  # tensors in memory: a whole batch per indexing op, no per-sample collate
+            kwargs.setdefault("collate_fn", in_memory_batch)
+        made = Loader(dataset, self.env, batch_size, self.cfg.train.seed,
+                      **loader_kwargs(self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+        self.loaders.append(made.loader)
+        return made
+
+    def eval_loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> DataLoader[Any]:
+        """This rank's disjoint shard of an evaluation set (each sample counted once across ranks)."""
+        if isinstance(dataset, InMemory):
+            kwargs.setdefault("collate_fn", in_memory_batch)
+        made = eval_loader(dataset, self.env, batch_size,
+                           **loader_kwargs(self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+        self.loaders.append(made)
+        return made
+
+    def describe(self, **facts: Any) -> None:
+        """Record facts about this run (e.g. the code it trains) in its W&B config and checkpoints; before restore."""
+        self.extra_config.update(facts)
+
+    def restore(self, **objects: Any) -> int:
+        """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
+        load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
+        self.objects = objects
+        self.run = RunDir.open(self.env, self.cfg.run.dir, to_yaml(self.cfg))
+        self.heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
+        self.checkpointer = ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
+                                              self.faults.save_delay_s, on_write=self.heartbeat.alive)
+        self.policy = SavePolicy(self.cfg.checkpoint, self.env, self.device, self.preemption)
+        self.tracker = Tracker(self.cfg, self.env, job_info(), self.run.path)  # started below, once the run id is known
+        self.resumed = find(self.cfg, self.env, self.run.path)
+        run_id = None
+        if self.resumed:
+            state = self.resumed.state
+            same = state["world_size"] == self.env.world_size
+            for name, obj in objects.items():
+                if name not in state:
+                    raise UserError("checkpoint.resume", f"{self.resumed.path} holds no {name!r}",
+                                    f"it holds {', '.join(sorted(state))}: restore the objects it was saved with")
+                try:
+                    if not isinstance(obj, PerRank):
+                        _load_into(obj, state[name])
+                    elif same and state[name] is not None:
+                        _load_into(obj.obj, state[name][self.env.rank])
+                except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+                    raise UserError("checkpoint.resume", f"{self.resumed.path} does not fit {name!r} "
+                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0]})",
+                                    "resume with what it was trained with, or start afresh: checkpoint.resume=never "
+                                    "or another run.dir") from None
+            if same:
+                ckpt.set_rng_state(state["rng"][self.env.rank])
+            else:
+                self.print(f"note: checkpoint was written by {state['world_size']} processes, now "
+                           f"{self.env.world_size}: training continues after the samples already seen (to within "
+                           "one batch), but not bit-exactly")
+            self.step = self.saved_step = int(state["step"])
+            self.last_path = self.resumed.path
+            run_id = state.get("tracking", {}).get("run_id")
+        self.tracker.start({**_plain(self.cfg), **self.extra_config}, run_id)
+        if self.resumed:
+            self.print(f"resumed from {self.resumed.path} at step {self.step}")
+        return self.step
+
+    def _run(self) -> RunDir:
+        if self.run is None:
+            raise RuntimeError("call Session.restore(...) first: it opens the run folder and loads the checkpoint")
+        return self.run
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """Steps ``start + 1`` … ``stop``, with hang watching from the first one on."""
+        self._run()
+        for step in range(start + 1, stop + 1):
+            self.heartbeat.beat("step", step)
+            self.faults.before_step(self.steps_here, self.env.rank)
+            self.step = step
+            yield step
+            self.steps_here += 1
+            if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
+                self.heartbeat.start()
+
+    def alive(self) -> None:
+        """Progress inside a long phase whose length differs by rank (evaluation batches): refreshes the hang clock."""
+        self.heartbeat.alive()
+
+    def beat(self, phase: str) -> None:
+        """Tell the hang watchdog where this rank is inside a step (named in a hang report)."""
+        self.heartbeat.beat(phase, self.step)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record metrics at ``step`` (rank 0, W&B; tensors are read here, so log every few steps, not each)."""
+        self.tracker.log({k: float(v) for k, v in metrics.items()}, step)
+
+    def request_stop(self, signum: int = signal.SIGUSR2) -> None:
+        """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
+        if signum:
+            self.preemption.signum = signum
+
+    def should_save(self, step: int, force_poll: bool = False) -> bool:
+        """Whether to save now: a preemption signal (agreed across ranks every ``checkpoint.poll_steps`` steps),
+        ``checkpoint.every_steps`` or ``every_minutes``. Every rank must call it at the same steps."""
+        # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
+        self.request_stop(self.faults.after_step(self.steps_here + 1, self.cfg.checkpoint.signal))
+        self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
+        signum, due = self.policy.poll(step, force_poll)
+        if signum:
+            self.preempted_by = signal.Signals(signum)
+        return due or bool(signum)
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption was agreed: save (``should_save`` said so), leave the loop, return ``finish()``."""
+        return self.preempted_by is not None
+
+    def save(self, step: int, blocking: bool | None = None) -> Path:
+        """Collective: checkpoint every restored object at ``step`` (asynchronous per ``checkpoint.async_save``,
+        except for preemption saves)."""
+        self._run()
+        if blocking is None:
+            blocking = self.preempted or not self.cfg.checkpoint.async_save
+        state: dict[str, Any] = {}
+        for name, obj in self.objects.items():
+            state[name] = tdist.gather(_state_of(obj.obj)) if isinstance(obj, PerRank) else _state_of(obj)
+        state.update(step=step, world_size=self.env.world_size, config=_plain(self.cfg), version=STATE_VERSION,
+                     tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
+        self.heartbeat.beat("checkpoint save", step)
+        with self.heartbeat.waiting(not self.env.is_main):  # rank 0 beats while it writes; the others wait for it
+            path = self.checkpointer.save(state, step, blocking=blocking)
+        self.saved_step, self.last_path = step, path
+        self.policy.saved()
+        return path
+
+    def finish(self, result: Mapping[str, Any] | None = None) -> int:
+        """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
+        and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
+        run = self._run()
+        self.heartbeat.stop()
+        self.checkpointer.wait()
+        if self.saved_step != self.step:
+            self.save(self.step)
+        path = str(self.last_path)
+        if self.preempted_by is not None:
+            run.mark_requeue({"signal": self.preempted_by.name, "checkpoint": path, "step": self.step})
+            torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
+            self.print(f"\n{self.preempted_by.name} received: saved {path} at step {self.step}; "
+                       f"exiting with {EXIT_REQUEUE} so the launcher requeues")
+            return EXIT_REQUEUE
+        summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
+                   "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
+                   "resumed_from": str(self.resumed.path) if self.resumed else None,
+                   "tracking_run_id": self.tracker.run_id, **(result or {})}
+        self.summary = summary
+        run.write_result(summary)
+        self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
+                            | {"global_step": self.step})
+        return 0
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
+        try:
+            if self.run is not None:
+                self.heartbeat.stop()
+                try:
+                    self.checkpointer.wait()
+                finally:
+                    self.tracker.finish()
+        finally:
+            for loader in self.loaders:
+                shutdown_workers(loader)
+            self.preemption.restore()
+            tdist.teardown()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _plain(cfg: Config) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
