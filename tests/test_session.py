@@ -129,3 +129,34 @@ def test_session_errors_are_clear(tmp_path: Path) -> None:
     proc = ok(run_trainer([], tmp_path, script=script), code=2)
     assert proc.stderr.startswith("error: optim.lrr: unknown key") and "HINT:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_of_another_layout_is_refused_with_a_hint(tmp_path: Path) -> None:
+    import json
+
+    script = tmp_path / "user_loop.py"
+    script.write_text(textwrap.dedent(USER_LOOP))
+    run = tmp_path / "run"
+    ok(run_trainer([f"run.dir={run}", "tracking.mode=disabled"], tmp_path, script=script))
+    manifest = ckpt.committed(run / "checkpoints")[0]
+    path = manifest.with_suffix(".pt")
+    state = torch.load(path, weights_only=True)
+    state["version"] = 1  # as written before the session API
+    size, digest = ckpt.save_atomic(path, state)
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "size": size, "xxh3_64": digest}))
+    proc = ok(run_trainer([f"run.dir={run}", "tracking.mode=disabled"], tmp_path, script=script), code=2)
+    assert "error: checkpoint.resume:" in proc.stderr and "has layout 1, this version reads layout 2" in proc.stderr
+    assert "HINT: finish that run with the version that wrote it" in proc.stderr
+
+
+def test_what_a_checkpoint_could_not_load_back_is_refused_when_saving() -> None:
+    import numpy as np
+    import pytest
+
+    from trainer.session import check_plain
+
+    check_plain({"seen": 3, "best": 0.5, "tags": ["a"], "w": torch.ones(2), "none": None}, "notes")
+    with pytest.raises(TypeError, match=r"notes\['best'\] is a numpy.float64: checkpoints hold tensors"):
+        check_plain({"best": np.float64(0.5)}, "notes")
+    with pytest.raises(TypeError, match=r"notes\['dir'\] is a pathlib.PosixPath"):
+        check_plain({"dir": Path("/x")}, "notes")

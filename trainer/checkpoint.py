@@ -242,10 +242,11 @@ def find_resumable(target: Path) -> tuple[Path, dict[str, Any]] | None:
     for manifest in candidates:
         try:
             data = verify(manifest)
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
             bad = manifest.with_suffix(".pt")
             warnings.warn(f"skipping checkpoint {bad}: {exc}; trying an older one", stacklevel=2)
             continue
+        # Intact bytes that do not load are no corruption: skipping them would restart the run from scratch.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return manifest.with_suffix(".pt"), state
     return None

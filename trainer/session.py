@@ -45,7 +45,8 @@ from trainer.resume import Resumed, find
 from trainer.rundir import RunDir
 from trainer.tracking import Tracker
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""Checkpoint layout: named objects plus step, world_size, config, rng, tracking, meta (1: before the session API)."""
 
 
 class PerRank:
@@ -62,6 +63,28 @@ def _unwrap(obj: Any) -> Any:
 
 def _state_of(obj: Any) -> Any:
     return dict(obj) if isinstance(obj, dict) else _unwrap(obj).state_dict()
+
+
+RESERVED = ("step", "world_size", "config", "version", "tracking", "meta", "rng")
+"""Keys of a checkpoint the session writes itself: not names for restored objects."""
+
+PLAIN = (int, float, str, bool, type(None))
+"""Exact types: numpy's float64 is a float subclass that pickles as numpy and does not load back."""
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raise when ``value`` holds something a checkpoint cannot load back safely (torch.load(weights_only=True)):
+    found at save time, not when a requeued job would fail to resume."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_plain(k, where)
+            check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+    elif type(value) not in PLAIN and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}: checkpoints hold tensors, "
+                        "numbers, strings, None and lists/dicts of them (convert it, e.g. float(x), str(path))")
 
 
 def _load_into(obj: Any, state: Any) -> None:
@@ -139,11 +162,16 @@ class Session:
 
     def describe(self, **facts: Any) -> None:
         """Record facts about this run (e.g. the code it trains) in its W&B config and checkpoints; before restore."""
+        check_plain(facts, "describe()")
         self.extra_config.update(facts)
 
     def restore(self, **objects: Any) -> int:
         """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
         load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
+        taken = sorted(set(objects) & set(RESERVED))
+        if taken:
+            raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
+                             f"({', '.join(RESERVED)}): pass it under another name")
         self.objects = objects
         self.run = RunDir.open(self.env, self.cfg.run.dir, to_yaml(self.cfg))
         self.heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
@@ -155,6 +183,10 @@ class Session:
         run_id = None
         if self.resumed:
             state = self.resumed.state
+            if state.get("version") != STATE_VERSION:
+                raise UserError("checkpoint.resume", f"{self.resumed.path} has layout {state.get('version')!r}, this "
+                                f"version reads layout {STATE_VERSION}", "finish that run with the version that wrote "
+                                "it, or start afresh: checkpoint.resume=never or another run.dir")
             same = state["world_size"] == self.env.world_size
             for name, obj in objects.items():
                 if name not in state:
@@ -166,16 +198,20 @@ class Session:
                     elif same and state[name] is not None:
                         _load_into(obj.obj, state[name][self.env.rank])
                 except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+                    was = state.get("meta", {}).get("plugins", {}).get(name)
+                    saved_from = f"; it was saved from {was['target']} {was['kwargs']}" if was else ""
                     raise UserError("checkpoint.resume", f"{self.resumed.path} does not fit {name!r} "
-                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0]})",
+                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0]}){saved_from}",
                                     "resume with what it was trained with, or start afresh: checkpoint.resume=never "
                                     "or another run.dir") from None
             if same:
                 ckpt.set_rng_state(state["rng"][self.env.rank])
             else:
+                per_rank = [n for n, o in objects.items() if isinstance(o, PerRank)]
                 self.print(f"note: checkpoint was written by {state['world_size']} processes, now "
                            f"{self.env.world_size}: training continues after the samples already seen (to within "
-                           "one batch), but not bit-exactly")
+                           "one batch), but not bit-exactly"
+                           + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else ""))
             self.step = self.saved_step = int(state["step"])
             self.last_path = self.resumed.path
             run_id = state.get("tracking", {}).get("run_id")
@@ -210,9 +246,13 @@ class Session:
         """Tell the hang watchdog where this rank is inside a step (named in a hang report)."""
         self.heartbeat.beat(phase, self.step)
 
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Record metrics at ``step`` (rank 0, W&B; tensors are read here, so log every few steps, not each)."""
-        self.tracker.log({k: float(v) for k, v in metrics.items()}, step)
+    def log(self, metrics: Mapping[str, Any], step: int, console: bool = True) -> None:
+        """Record metrics at ``step``: W&B and (``console``) one printed line, on rank 0. Tensors are read here, a
+        sync with the device: log every few steps, not each."""
+        values = {k: float(v) for k, v in metrics.items()}
+        if console:
+            self.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+        self.tracker.log(values, step)
 
     def request_stop(self, signum: int = signal.SIGUSR2) -> None:
         """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
@@ -244,6 +284,8 @@ class Session:
         state: dict[str, Any] = {}
         for name, obj in self.objects.items():
             state[name] = tdist.gather(_state_of(obj.obj)) if isinstance(obj, PerRank) else _state_of(obj)
+            if isinstance(obj, dict) or isinstance(getattr(obj, "obj", None), dict):
+                check_plain(state[name], name)  # the user's own dict: what torch's own objects hold always loads
         state.update(step=step, world_size=self.env.world_size, config=_plain(self.cfg), version=STATE_VERSION,
                      tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
         self.heartbeat.beat("checkpoint save", step)

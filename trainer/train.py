@@ -81,14 +81,16 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.train.max_steps or self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(enabled=cfg.train.precision == "fp16")
+        # An iterable set's own state is its position only when the training process reads it (workers hold copies).
         stateful = callable(getattr(data.train, "state_dict", None)) and callable(getattr(data.train, "load_state_dict", None))
-        extra = {"data": PerRank(data.train)} if data.iterable and stateful else {}
+        extra = {"data": PerRank(data.train)} if data.iterable and stateful and kw["num_workers"] == 0 else {}
         sess.restore(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                      loader=self.loader, **extra)
         if sess.resumed:
             notes(cfg, sess.env, sess.resumed.state, self.record)
             if data.iterable and not extra:
-                sess.print("note: the iterable data set has no state_dict/load_state_dict: its stream starts again")
+                why = "is read by worker processes" if stateful else "has no state_dict/load_state_dict"
+                sess.print(f"note: the iterable data set {why}: its stream starts again from the beginning")
         self.net = torch.compile(self.net) if cfg.train.compile else self.net  # type: ignore[assignment]
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
 
@@ -127,10 +129,11 @@ class Trainer:
             sync = contextlib.nullcontext() if i == window - 1 else self.net.no_sync()  # type: ignore[operator]
             sess.beat("forward")
             with sync, self.autocast():
-                try:
-                    loss, extra = split_output(self.task.training_step(self.net, batch))
-                except TypeError as exc:
-                    raise UserError("task.target", str(exc), "return the mean loss tensor of the micro-batch") from None
+                out = self.task.training_step(self.net, batch)
+            try:
+                loss, extra = split_output(out)
+            except TypeError as exc:
+                raise UserError("task.target", str(exc), "return the mean loss tensor of the micro-batch") from None
             sess.beat("backward (gradient all-reduce)" if i == window - 1 else "backward")
             self.scaler.scale(loss / window).backward()
             n = batch_size(batch) * sess.env.world_size
@@ -180,7 +183,8 @@ class Trainer:
                 scores, scored_at = self.evaluate(), step
                 eval_time += time.perf_counter() - t_eval
                 self.log_scores(scores, step)
-            if sess.should_save(step, force_poll=epoch_done):
+            # Iterable sets end their epochs rank by rank: only map-style epoch ends are common to all ranks.
+            if sess.should_save(step, force_poll=epoch_done and not self.loader.iterable):
                 sess.save(step)
                 if sess.preempted:
                     break
@@ -220,7 +224,7 @@ class Trainer:
         return ", ".join(words)
 
     def log_scores(self, scores: dict[str, float], step: int) -> None:
-        self.sess.log({**{f"eval/{k}": v for k, v in scores.items()}, "epoch": self.loader.epoch}, step)
+        self.sess.log({**{f"eval/{k}": v for k, v in scores.items()}, "epoch": self.loader.epoch}, step, console=False)
         if scores:
             self.sess.print(f"\nstep {step} (epoch {self.loader.epoch}): "
                             + ", ".join(f"eval {k} {v:.4f}" for k, v in scores.items()))
@@ -240,7 +244,7 @@ class Trainer:
         else:
             print(f"epoch {self.loader.epoch} step {step}: loss {m['train/loss']:.4f}, "
                   f"{m['train/samples_per_s']:.0f} samples/s, lr {m['train/lr']:.4g}", flush=True)
-        self.sess.log(m, step)
+        self.sess.log(m, step, console=False)
 
 
 def fit(cfg: Config) -> dict[str, Any]:

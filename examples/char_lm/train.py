@@ -113,12 +113,10 @@ def main() -> int:
             sched.step()
             if step % 10 == 0:  # reading the loss syncs with the device: not every step
                 train_loss = float(loss.detach()) * args.accum
-                sess.log({"train/loss": train_loss, "train/lr": sched.get_last_lr()[0]}, step)
-                sess.print(f"step {step}: loss {train_loss:.4f}")
+                sess.log({"train/loss": train_loss, "train/lr": sched.get_last_lr()[0]}, step)  # W&B and a line
             if step % args.eval_every == 0 or step == args.max_steps:
                 val_loss = evaluate(model, val, sess.device, amp)
                 sess.log({"eval/loss": val_loss}, step)
-                sess.print(f"step {step}: eval loss {val_loss:.4f}")
             if sess.should_save(step):
                 sess.save(step)
                 if sess.preempted:
