@@ -100,6 +100,10 @@ def build_stream(n: int = 768, dim: int = 8, seed: int = 0):
 
 def needs_files(path: str):
     raise FileNotFoundError(f"no such file: {path}")
+
+
+def not_data():
+    return 42, None
 '''
 
 TASK = '''
@@ -198,6 +202,7 @@ BAD = [  # (override, key in the error, words of the message, words of the hint)
     ("data.kwargs.size=3", "data.kwargs", "does not take these arguments", "n, dim, seed"),
     ("task.target=userpkg.task:NoSteps", "task.target", "not an object with training_step", "training_step"),
     ("task.kwargs.wrong=1", "task.kwargs", "does not take", "scale"),
+    ("task.target=userpkg.nets:broken", "task.target", "raised ValueError: boom in the factory", "run it alone"),
     ("model.target=userpkg.nets:MLP model.name=x", "model.target", "", ""),  # target wins over name: no error
 ]
 
@@ -238,6 +243,16 @@ def test_a_data_factory_that_raises_fails_before_the_run_folder(pkg: Path) -> No
                            f"run.dir={run}"], pkg), code=2)
     assert "error: data.target: userpkg.data:needs_files(...) raised FileNotFoundError: no such file: /nowhere" \
         in proc.stderr and "userpkg/data.py:" in proc.stderr and "HINT:" in proc.stderr
+    assert not run.exists()
+
+
+def test_a_data_factory_returning_something_else_fails_before_the_run_folder(
+        pkg: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    run = pkg / "runs" / "notdata"
+    code = _main_in(pkg, [*BASE, "data.target=userpkg.data:not_data", f"run.dir={run}"], monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and "error: data.target: 'userpkg.data:not_data' returned builtins.tuple, not a (train, eval) " \
+        "pair of data sets" in err and "HINT: make it return" in err, err
     assert not run.exists()
 
 
