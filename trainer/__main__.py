@@ -15,12 +15,8 @@ def run(args: list[str]) -> dict[str, Any]:
     # Config and environment are checked before torch is even imported: bad input fails fast.
     cfg = config_mod.load(args)
     discover()
-    from trainer.build import check
-    from trainer.faults import load as load_faults
     from trainer.train import fit
 
-    load_faults()  # a bad TRAINER_FAULTS fails here, like bad config
-    check(cfg)  # every target resolves and the model builds (on the meta device) before the process group
     return fit(cfg)
 
 

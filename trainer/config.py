@@ -352,6 +352,11 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain containers (for checkpoints and W&B)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from its saved form (e.g. inside a checkpoint)."""
     conf: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore[assignment]

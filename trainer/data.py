@@ -146,9 +146,6 @@ def build_data(cfg: Config) -> Data:
             raise UserError("train.max_steps", "is required with an iterable data set (it has no epoch length)",
                             "e.g. train.max_steps=1000")
         return data
-    if cfg.data.name != "synthetic" and not cfg.data.root:
-        raise UserError("data.root", f"is required for data.name={cfg.data.name}",
-                        "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
     return synthetic(cfg) if cfg.data.name == "synthetic" else torchvision_data(cfg)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from trainer.data import ResumableSampler, ShardSampler
+from trainer.data import InMemory, ResumableSampler, ShardSampler, in_memory_batch
 from trainer.env import DistEnv
 
 
@@ -22,13 +22,15 @@ def _worker_init(signals: tuple[int, ...], user_init: Any, worker_id: int) -> No
         user_init(worker_id)
 
 
-def loader_kwargs(env: DistEnv, device: torch.device, seed: int, signals: tuple[int, ...],
+def loader_kwargs(dataset: Dataset[Any], env: DistEnv, device: torch.device, seed: int, signals: tuple[int, ...],
                   kwargs: dict[str, Any]) -> dict[str, Any]:
     """DataLoader arguments with our defaults: workers that ignore preemption signals, pinned memory on GPUs,
-    a generator of its own (the loader never draws on the global RNG the model uses)."""
+    a generator of its own (the loader never draws on the global RNG the model uses), and for tensors in memory
+    a whole batch per indexing op (no per-sample collate)."""
     workers = kwargs.get("num_workers", 0)
     out = {"pin_memory": device.type == "cuda", "persistent_workers": workers > 0,
-           "generator": torch.Generator().manual_seed(seed + env.rank), **kwargs}
+           "generator": torch.Generator().manual_seed(seed + env.rank),
+           **({"collate_fn": in_memory_batch} if isinstance(dataset, InMemory) else {}), **kwargs}
     if workers > 0:
         out["worker_init_fn"] = functools.partial(_worker_init, signals, kwargs.get("worker_init_fn"))
     return out

@@ -34,8 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer import faults as faults_mod
-from trainer.config import Config, load, to_yaml
-from trainer.data import InMemory, in_memory_batch
+from trainer.config import Config, load, to_dict, to_yaml
 from trainer.env import discover, job_info
 from trainer.errors import EXIT_REQUEUE, UserError
 from trainer.heartbeat import Heartbeat
@@ -101,6 +100,7 @@ class Session:
     def __init__(self, config: Config | list[str] | None = None, extra_config: Mapping[str, Any] | None = None) -> None:
         self.cfg = config if isinstance(config, Config) else load(list(config or []))
         self.extra_config = dict(extra_config or {})
+        self.config_dict = to_dict(self.cfg)
         self.env = discover()
         self.faults = faults_mod.load()
         self.device = tdist.pick_device(self.env, self.cfg.train.device)
@@ -144,19 +144,15 @@ class Session:
 
     def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
-        if isinstance(dataset, InMemory):  # tensors in memory: a whole batch per indexing op, no per-sample collate
-            kwargs.setdefault("collate_fn", in_memory_batch)
         made = Loader(dataset, self.env, batch_size, self.cfg.train.seed,
-                      **loader_kwargs(self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+                      **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
         self.loaders.append(made.loader)
         return made
 
     def eval_loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> DataLoader[Any]:
         """This rank's disjoint shard of an evaluation set (each sample counted once across ranks)."""
-        if isinstance(dataset, InMemory):
-            kwargs.setdefault("collate_fn", in_memory_batch)
         made = eval_loader(dataset, self.env, batch_size,
-                           **loader_kwargs(self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+                           **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
         self.loaders.append(made)
         return made
 
@@ -215,7 +211,7 @@ class Session:
             self.step = self.saved_step = int(state["step"])
             self.last_path = self.resumed.path
             run_id = state.get("tracking", {}).get("run_id")
-        self.tracker.start({**_plain(self.cfg), **self.extra_config}, run_id)
+        self.tracker.start({**self.config_dict, **self.extra_config}, run_id)
         if self.resumed:
             self.print(f"resumed from {self.resumed.path} at step {self.step}")
         return self.step
@@ -286,7 +282,7 @@ class Session:
             state[name] = tdist.gather(_state_of(obj.obj)) if isinstance(obj, PerRank) else _state_of(obj)
             if isinstance(obj, dict) or isinstance(getattr(obj, "obj", None), dict):
                 check_plain(state[name], name)  # the user's own dict: what torch's own objects hold always loads
-        state.update(step=step, world_size=self.env.world_size, config=_plain(self.cfg), version=STATE_VERSION,
+        state.update(step=step, world_size=self.env.world_size, config=self.config_dict, version=STATE_VERSION,
                      tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
         self.heartbeat.beat("checkpoint save", step)
         with self.heartbeat.waiting(not self.env.is_main):  # rank 0 beats while it writes; the others wait for it
@@ -342,8 +338,3 @@ class Session:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-
-def _plain(cfg: Config) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]

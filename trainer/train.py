@@ -249,7 +249,6 @@ class Trainer:
 
 def fit(cfg: Config) -> dict[str, Any]:
     """Open a session, train, close it; return this rank's summary (``exit_code``: 0 done, 75 saved for requeue)."""
-    torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic and cfg.train.device != "cpu" and torch.cuda.is_available():
         # cuBLAS is deterministic only with a fixed workspace, read when its handle is made (first matmul,
         # still ahead); without it torch raises from inside the first linear layer.
