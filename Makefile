@@ -12,6 +12,8 @@ LAUNCHER ?= submitit
 DRY_RUN ?=
 WAIT ?=
 SET ?=
+CMD ?=
+MODULE ?=
 
 IMAGE ?= slurm-ddp-trainer:latest
 BASE_IMAGE ?=
@@ -47,9 +49,9 @@ lint: venv  ## ruff and mypy
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-submit: venv  ## submit to Slurm: CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..." SET="profile_key=value ..."
+submit: venv  ## submit to Slurm: CMD="python train.py …" (any command; default: the built-in trainer) CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..." SET="profile_key=value ..."
 	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \
-		$(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) -- $(ARGS)
+		$(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) $(if $(MODULE),--module '$(MODULE)') -- $(CMD) $(ARGS)
 
 sweep: venv  ## submit a sweep as one Slurm job array: SWEEP=cluster/sweeps/example.yaml DRY_RUN=1 WAIT=1 SET="profile_key=value ..."
 	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait)

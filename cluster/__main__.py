@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.command import Command
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
 from cluster.submit import submit
 from cluster.sweep import run as run_sweep
-from cluster.sweep import show_status
+from cluster.sweep_status import show_status
 from trainer.errors import EXIT_BAD_INPUT, UserError
 
 
@@ -18,17 +19,20 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and submit, dry-run, render, sweep or show a sweep; exit 2 on bad input."""
     parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("submit", help="submit training to Slurm")
+    s = sub.add_parser("submit", help="submit training (or any command: -- CMD ARGS…) to Slurm")
     s.add_argument("--cluster", default="dev", help="profile name in cluster/profiles, or a YAML path")
     s.add_argument("--nodes", type=int, help="override the profile's node count")
     s.add_argument("--launcher", default="submitit", help="submitit (default) or sbatch")
     s.add_argument("--dry-run", action="store_true", help="print the exact script; submit nothing")
     s.add_argument("--wait", action="store_true", help="wait for the job and print its result")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a profile key")
-    s.add_argument("args", nargs="*", help="training overrides, key=value")
+    s.add_argument("--module", help="run `python -m MODULE ARGS…` (the words after --) in every task")
+    s.add_argument("args", nargs="*", help="training overrides key=value, or after -- a command: python train.py …")
     r = sub.add_parser("render", help="print the sbatch template for a profile (hand-run scripts in slurm/)")
     r.add_argument("--cluster", default="example-h100")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--command", dest="command_template", action="store_true",
+                   help="the template for any command (slurm/run.sbatch)")
     w = sub.add_parser("sweep", help="submit a hyper-parameter sweep as one Slurm job array")
     w.add_argument("spec", help="sweep YAML, e.g. cluster/sweeps/example.yaml")
     w.add_argument("--dry-run", action="store_true", help="print the trials and the array's batch script; submit nothing")
@@ -49,15 +53,16 @@ def main(argv: list[str] | None = None) -> int:
             return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait)
         if ns.command == "render":
             p = load_profile(ns.cluster, overrides)
-            sets = "".join(f" --set {kv}" for kv in ns.set)
-            origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE [key=value ...]` (sbatch options such as "
+            sets = "".join(f" --set {kv}" for kv in ns.set) + (" --command" if ns.command_template else "")
+            usage = "COMMAND [ARG ...]` (e.g. python train.py --lr 0.1)" if ns.command_template else "[key=value ...]`"
+            origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE {usage} (sbatch options such as "
                       f"--nodes=1 override the lines below).\n# Made by `python -m cluster render --cluster {ns.cluster}{sets}`: "
                       "edit the profile and regenerate rather than editing by hand.")
-            print(render_sbatch(p, "python", [], origin), end="")
+            print(render_sbatch(p, "python", [], origin, command=Command(()) if ns.command_template else None), end="")
             return 0
         if ns.nodes is not None:
             overrides["nodes"] = ns.nodes
-        return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait)
+        return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
     except UserError as err:
         print(err.render(), file=sys.stderr)
         return EXIT_BAD_INPUT

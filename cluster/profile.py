@@ -63,6 +63,9 @@ class Profile:
     """Seconds before the time limit that the signal is sent (enough for one save)."""
     max_requeues: int = 3
     """Requeues after a preemption or time-limit save before the job gives up."""
+    requeue_on_signal: bool = False
+    """Commands (CMD=…) that do not save on the warning: stop them shortly before the time limit and requeue the
+    job anyway (they start again, from their own checkpoints if they keep any)."""
     doctor: bool = False
     """Run `python -m trainer.doctor` over the allocation before training (DOCTOR=0|1 at submit time overrides)."""
     python: str = "python"

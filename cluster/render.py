@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from cluster.command import Command
 from cluster.profile import Profile
 from trainer.env import PORT_BASE, PORT_SPAN
 from trainer.errors import EXIT_REQUEUE, UserError
@@ -94,13 +95,17 @@ def flight_recorder(p: Profile, folder: str) -> list[str]:
     ]
 
 
-def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer") -> list[str]:
-    """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
+def _srun(p: Profile, python: str) -> tuple[str, str]:
+    """``srun …`` (with the container prefix) and the interpreter each task starts."""
     inside = container_prefix(p)
-    py = "python3" if inside else shlex.quote(python)
-    srun = "srun --kill-on-bad-exit=1" + (f" {inside}" if inside else "")
+    return "srun --kill-on-bad-exit=1" + (f" {inside}" if inside else ""), "python3" if inside else shlex.quote(python)
+
+
+def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer", user_args: bool = True) -> list[str]:
+    """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
+    srun, py = _srun(p, python)
     overrides = "".join(f" {shlex.quote(a)}" for a in [f"checkpoint.signal=SIG{p.signal}", *args])
-    overrides += ' run.dir="$RUN_DIR" "$@"'
+    overrides += ' run.dir="$RUN_DIR"' + (' "$@"' if user_args else "")
     if p.launch == "srun":
         return [f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/env.py does.
@@ -117,6 +122,44 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     ]
 
 
+def command_line(p: Profile, python: str, command: Command) -> list[str]:
+    """The line that starts a user's command in every task, through ``python -m trainer.launch`` (torchrun's
+    variables, the warning signal); ``"$@"``: arguments given to sbatch, appended to the command."""
+    srun, py = _srun(p, python)
+    words = shlex.join([*command.launch_args(p), *command.argv])
+    return [f'{srun} {py} -m trainer.launch {words} "$@"']
+
+
+def requeue_rule(p: Profile) -> list[str]:
+    """The requeue rule, the one copy for every launcher (sbatch scripts, submitit's teardown): after the tasks
+    ended with ``$rc``, requeue when they saved after a signal, at most ``max_requeues`` times. Requeueing happens
+    here, in the batch shell, outside any container."""
+    return [
+        f"# Exit {EXIT_REQUEUE}, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report",
+        "# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).",
+        f'if [[ $rc -eq {EXIT_REQUEUE} || -f "$RUN_DIR/requeue.json" ]]; then',
+        f"  if (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then",
+        '    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
+        '    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2',
+        "    exit 0",
+        "  fi",
+        f'  echo "not requeueing: {p.max_requeues} requeues done" >&2',
+        "fi",
+        'exit "$rc"',
+    ]
+
+
+def run_dir_lines(default: str) -> list[str]:
+    """``$RUN_DIR``: exported (commands and the session API write there), absolute (mounted into containers by that
+    path), and without an earlier attempt's requeue marker (only this attempt's may trigger a requeue)."""
+    return [
+        # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
+        f"export RUN_DIR=${{RUN_DIR:-{default}}}",
+        'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
+        'rm -f "$RUN_DIR/requeue.json"',
+    ]
+
+
 def doctor_step(p: Profile, launch: list[str]) -> list[str]:
     """The optional preflight step: the doctor, launched exactly as training is; a failure ends the job."""
     return [
@@ -129,10 +172,9 @@ def doctor_step(p: Profile, launch: list[str]) -> list[str]:
     ]
 
 
-def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None) -> str:
-    """The complete batch script for profile ``p`` with training overrides ``args``."""
-    launch = launch_line(p, python, args)
-    default_dir = shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID"
+def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None,
+                  command: Command | None = None) -> str:
+    """The complete batch script for profile ``p``: the built-in trainer with overrides ``args``, or ``command``."""
     lines = ["#!/bin/bash", f"# {origin}", *sbatch_directives(p), "set -euo pipefail", ""]
     if p.setup:
         lines += ["# SITE: setup from the profile", *p.setup, ""]
@@ -142,30 +184,19 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         "export PYTHONUNBUFFERED=1",
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
-        # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
-        f'RUN_DIR="${{RUN_DIR:-{default_dir}}}"' if not run_dir else f"RUN_DIR=${{RUN_DIR:-{default_dir}}}",
+        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID"),
         "",
-        *(['mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path']
-          if p.container.runtime != "none" else []),
         *flight_recorder(p, "$RUN_DIR"),
-        'for arg in "$@"; do',
-        '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
-        "done",
-        'rm -f "$RUN_DIR/requeue.json"  # only this run\'s own marker may trigger a requeue',
-        *doctor_step(p, launch_line(p, python, args, module="trainer.doctor")),
-        "rc=0",
-        *launch[:-1],
-        launch[-1] + " || rc=$?",
-        "",
-        f"# Exit {EXIT_REQUEUE} (or the marker, when torchrun's agent hides the code): saved after a signal.",
-        f'if [[ $rc -eq {EXIT_REQUEUE} || -f "$RUN_DIR/requeue.json" ]]; then',
-        f"  if (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then",
-        '    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
-        '    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2',
-        "    exit 0",
-        "  fi",
-        f'  echo "not requeueing: {p.max_requeues} requeues done" >&2',
-        "fi",
-        'exit "$rc"',
     ]
-    return "\n".join(lines) + "\n"
+    if command is None:
+        lines += [
+            'for arg in "$@"; do',
+            '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
+            "done",
+            *doctor_step(p, launch_line(p, python, args, module="trainer.doctor")),
+        ]
+        launch = launch_line(p, python, args)
+    else:
+        lines += doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False))
+        launch = command_line(p, python, command)
+    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *requeue_rule(p)]) + "\n"

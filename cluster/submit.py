@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from cluster.command import Command, parse, requeue_after
 from cluster.profile import Profile
-from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch
-from cluster.task import TrainTask
+from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch, requeue_rule, run_dir_lines
+from cluster.task import CommandTask, TrainTask
 from trainer.build import load_checked as load_train_config
 from trainer.errors import UserError
 
@@ -30,11 +31,11 @@ def split_run_dir(args: list[str]) -> tuple[list[str], str | None]:
     return rest, (dirs[-1] if dirs else None)
 
 
-def sbatch_script(p: Profile, args: list[str]) -> str:
-    """The script `LAUNCHER=sbatch` submits."""
-    rest, run_dir = split_run_dir(args)
+def sbatch_script(p: Profile, args: list[str], command: Command | None = None) -> str:
+    """The script `LAUNCHER=sbatch` submits: the built-in trainer with overrides ``args``, or ``command``."""
+    rest, run_dir = split_run_dir(args) if command is None else ([], None)
     return render_sbatch(p, python_for(p), rest, f"rendered from profile {p.name!r} by `python -m cluster submit`",
-                         run_dir=run_dir)
+                         run_dir=run_dir, command=command)
 
 
 def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None) -> Any:
@@ -44,22 +45,17 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
 
     folder = Path(p.log_dir) / "%j"
     inside = container_prefix(p)
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=p.max_requeues,
+    # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
+    # below applies the same requeue rule as an sbatch script, in the batch shell, outside any container.
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=0,
                                slurm_python=f"{inside} python3" if inside else python_for(p))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
-    teardown: list[str] = []
-    if inside:
-        # The task runs in the image, where scontrol usually is not: the batch shell requeues instead.
-        default = shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID"
-        setup += [f"export RUN_DIR=${{RUN_DIR:-{default}}}",
-                  'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
-                  'rm -f "$RUN_DIR/requeue.json"']
-        teardown = [f'if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then',
-                    '  scontrol requeue "$SLURM_JOB_ID"', "fi"]
+    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID")
+    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)", *requeue_rule(p)]
     py = "python3" if inside else shlex.quote(python_for(p))
     doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
-    doctor += "".join(f" {shlex.quote(a)}" for a in args or []) + (' run.dir="$RUN_DIR"' if inside else "")
+    doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0]) + ' run.dir="$RUN_DIR"'
     setup += doctor_step(p, [doctor])
     params: dict[str, Any] = {
         "name": p.job_name,
@@ -71,9 +67,8 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
         "slurm_srun_args": ["--kill-on-bad-exit=1"],
         "slurm_setup": setup,
         "slurm_additional_parameters": {"requeue": True},
+        "slurm_teardown": teardown,
     }
-    if teardown:
-        params["slurm_teardown"] = teardown
     if p.gpus_per_node:
         params["gpus_per_node"] = p.gpus_per_node
     if p.mem_per_task_gb:
@@ -101,10 +96,10 @@ def renderable() -> Iterator[None]:
         SlurmExecutor.affinity = original  # type: ignore[method-assign]
 
 
-def submitit_script(p: Profile, args: list[str]) -> str:
+def submitit_script(p: Profile, args: list[str], command: Command | None = None) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
     with renderable():
-        inner = executor(p, split_run_dir(args)[1], args)._executor
+        inner = (executor(p, split_run_dir(args)[1], args) if command is None else executor(p))._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
@@ -115,35 +110,57 @@ def check_slurm() -> None:
                         "and run `eval \"$(slurm/dev-cluster.sh env)\"`")
 
 
-def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool) -> int:
-    """Submit (or with dry_run print) one training job; with wait, block and report the result."""
-    load_train_config([a for a in args if not a.startswith("run.dir=")])  # bad overrides fail here, not on the cluster
+def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool, module: str | None = None) -> int:
+    """Submit (or with dry_run print) one job: the built-in trainer with overrides ``args``, or the command in
+    ``args`` (``module``: ``python -m module args``); with wait, block and report the result."""
     if launcher not in ("submitit", "sbatch"):
         raise UserError("LAUNCHER", f"must be submitit or sbatch, got {launcher!r}", "LAUNCHER=sbatch or leave it unset")
+    command = parse(args, module)
+    if command is None:
+        _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}")
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
                         "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
-    warned_with = "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}"
-    for arg in args:  # a later override would win over the launcher's, and the warning would kill, not save
-        key, _, value = arg.partition("=")
-        if key == "checkpoint.signal" and value != warned_with:
-            raise UserError("checkpoint.signal", f"{value!r} is not the signal this job is warned with ({warned_with})",
-                            "leave checkpoint.signal out: the launcher sets it from the profile's signal")
     if dry_run:
-        print(sbatch_script(p, args) if launcher == "sbatch" else submitit_script(p, args), end="")
+        print(sbatch_script(p, args, command) if launcher == "sbatch" else submitit_script(p, args, command), end="")
         if launcher == "submitit":  # the task itself travels as a pickle, not in the script
-            print(f"# each task runs: python -m trainer {shlex.join(['checkpoint.signal=SIGUSR2', *args])}", file=sys.stderr)
+            print(f"# each task runs: {task_line(p, args, command)}", file=sys.stderr)
         return 0
     check_slurm()
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
     if launcher == "sbatch":
-        return _submit_sbatch(p, args, wait)
-    return _submit_submitit(p, args, wait)
+        return _submit_sbatch(p, args, command, wait)
+    return _submit_submitit(p, args, command, wait)
 
 
-def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
-    script = sbatch_script(p, args)
+def _check_trainer_args(args: list[str], warned_with: str) -> None:
+    """Bad overrides fail here, not on the cluster; a checkpoint.signal other than the job's would kill, not save."""
+    load_train_config([a for a in args if not a.startswith("run.dir=")])
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "checkpoint.signal" and value != warned_with:
+            raise UserError("checkpoint.signal", f"{value!r} is not the signal this job is warned with ({warned_with})",
+                            "leave checkpoint.signal out: the launcher sets it from the profile's signal")
+
+
+def task_line(p: Profile, args: list[str], command: Command | None) -> str:
+    """What each submitit task runs, as a command line (for dry runs)."""
+    if command is None:
+        return f"python -m trainer {shlex.join(['checkpoint.signal=SIGUSR2', *args])}"
+    return f"python -m trainer.launch {shlex.join([*command.launch_args(p), *command.argv])}"
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a log (empty when it does not exist)."""
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return ""
+
+
+def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
+    script = sbatch_script(p, args, command)
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -155,20 +172,24 @@ def _submit_sbatch(p: Profile, args: list[str], wait: bool) -> int:
         print(f"sbatch refused the job (exit {proc.returncode}); its message is above", file=sys.stderr)
         return proc.returncode or 1
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
-    print(f"submitted job {job_id} (sbatch, {p.nodes} node(s), profile {p.name})")
+    what = f"command: {command}, " if command else ""
+    print(f"submitted job {job_id} (sbatch, {what}{p.nodes} node(s), profile {p.name})")
     print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
     rc = proc.wait()
     if wait:
-        print(f"job {job_id} ended with exit code {rc}")
-        if log.exists():
-            print("".join(log.read_text().splitlines(keepends=True)[-5:]), end="")
+        print(f"job {job_id} ended with exit code {rc}; the log's last lines:")
+        print(tail(log), end="")
     return rc
 
 
-def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
-    ex = executor(p, split_run_dir(args)[1], args)
-    job = ex.submit(TrainTask(["checkpoint.signal=SIGUSR2", *args], p.max_requeues))
-    print(f"submitted job {job.job_id} (submitit, {p.nodes} node(s), profile {p.name})")
+def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
+    ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p)
+    task: TrainTask | CommandTask = (
+        TrainTask(["checkpoint.signal=SIGUSR2", *args]) if command is None
+        else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))
+    job = ex.submit(task)
+    what = f"command: {command}, " if command else ""
+    print(f"submitted job {job.job_id} (submitit, {what}{p.nodes} node(s), profile {p.name})")
     print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
     print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
     if not wait:
@@ -176,8 +197,15 @@ def _submit_submitit(p: Profile, args: list[str], wait: bool) -> int:
     try:
         results = job.results()
     except Exception as exc:  # submitit re-raises the task's error with its log
-        print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+        errors = [line for line in str(exc).splitlines() if "Error:" in line]  # the task's own error, not the trace
+        print(f"job {job.job_id} failed: {errors[-1].strip() if errors else exc}", file=sys.stderr)
+        for path in (job.paths.stdout, job.paths.stderr):
+            print(f"--- last lines of {path}", file=sys.stderr)
+            print(tail(Path(path)), end="", file=sys.stderr)
         return 1
+    if command is not None:
+        print(f"job {job.job_id} done: the command exited 0 on {len(results)} task(s)")
+        return 0
     main = results[0]
     scores = ", ".join(f"{k[5:]} {v:.4g}" for k, v in main.items() if k.startswith("test_")) or "no evaluation set"
     print(f"job {job.job_id} done: {scores}, world size {main['world_size']}, checkpoint {main['checkpoint']}")

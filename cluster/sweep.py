@@ -1,6 +1,7 @@
 """Hyper-parameter sweeps: one YAML spec → many trials → one Slurm job array, submitted through submitit.
 
-Each trial is an ordinary training run (:class:`cluster.task.TrainTask`) with its own run folder
+Each trial is an ordinary training run (:class:`cluster.task.TrainTask`), or the spec's ``command`` with the trial's
+values (:class:`cluster.task.CommandTask`), with its own run folder
 ``<sweep>/trials/<i>``, so it checkpoints and requeues on its own; W&B groups the trials under the
 sweep id. ``<sweep>/sweep.json`` records what was submitted; :func:`status` reads it back together
 with each trial's ``result.json`` and Slurm's view of the array.
@@ -18,9 +19,7 @@ import random
 import re
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
@@ -30,9 +29,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
+from cluster.command import Command, requeue_after
 from cluster.profile import Profile, load_profile
 from cluster.submit import check_slurm, executor, renderable
-from cluster.task import TrainTask
+from cluster.sweep_status import columns, finish, fmt, is_number
+from cluster.task import CommandTask, TrainTask
 from trainer.build import load_checked as load_train_config
 from trainer.errors import UserError
 from trainer.files import load_yaml, write_json
@@ -49,9 +50,6 @@ MAX_TRIALS = 1000
 PER_TRIAL = ("run.dir", "run.name", "tracking.group", "checkpoint.signal")
 """Trainer keys the sweep sets for every trial itself (submitit warns with USR2: the trainer must save on it)."""
 
-FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
-            "preempted")
-"""Slurm states (lower case) after which a trial runs no more; a requeued task shows pending/requeued instead."""
 
 
 @dataclass
@@ -77,6 +75,9 @@ class SweepSpec:
     """max (higher metric is better) or min."""
     args: list[str] = field(default_factory=list)
     """Trainer overrides (key=value) shared by all trials."""
+    command: str | None = None
+    """Instead of the built-in trainer, this command (shell words, e.g. "python train.py --epochs 2"): a swept
+    parameter fills its ``{name}`` placeholders, or else is appended as ``--name value``. RUN_DIR is the trial's folder."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Trainer key → list of values (grid axis, or random choice), or for random
     {distribution: uniform|log_uniform|int_uniform, min: …, max: …}."""
@@ -91,42 +92,22 @@ class Trial:
     overrides: dict[str, Any]
     """The swept parameters' values, in the spec's parameter order."""
     args: list[str]
-    """Trainer arguments: the spec's fixed args, then the overrides as key=value."""
+    """Trainer arguments: the spec's fixed args, then the overrides as key=value (a command sweep: its argv)."""
+    command: bool = False
+    """The spec runs a command, not the built-in trainer."""
 
     def task_args(self, sweep_dir: Path) -> list[str]:
         """The trial's full trainer arguments, as TrainTask gets them: the warning signal submitit sends (first,
-        as `python -m cluster submit` does), ``args``, then its own run folder, W&B group and run name."""
+        as `python -m cluster submit` does), ``args``, then its own run folder, W&B group and run name.
+        A command gets ``args`` as they are (its run folder is RUN_DIR)."""
+        if self.command:
+            return list(self.args)
         return ["checkpoint.signal=SIGUSR2", *self.args, f"run.dir={sweep_dir / 'trials' / str(self.index)}",
                 f"tracking.group={sweep_dir.name}", f"run.name={sweep_dir.name}-{self.index}"]
 
 
-@dataclass
-class Row:
-    """One trial as :func:`status` sees it."""
-
-    index: int
-    """Trial index."""
-    overrides: dict[str, Any]
-    """The trial's swept values."""
-    state: str
-    """done (result.json), requeued (requeue.json), else Slurm's state in lower case, or unknown."""
-    slurm: str
-    """Slurm's own state in lower case, or unknown when neither sacct nor squeue knows the task."""
-    value: float | None
-    """The metric from result.json; None until the trial is done."""
-    run_dir: Path
-    """The trial's run folder."""
-
-
 def _err(key: str, message: str, hint: str) -> UserError:
     return UserError(f"sweep.{key}" if key else "sweep", message, hint)
-
-
-def _fmt(value: Any) -> str:
-    """A value as the table shows it (YAML's spelling of scalars)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else str(value)
 
 
 def _arg(key: str, value: Any) -> str:
@@ -134,7 +115,7 @@ def _arg(key: str, value: Any) -> str:
 
     A string YAML would read as something else ("yes" → true, "0x10" → 16, "a #b" → "a") goes double-quoted.
     """
-    plain = f"{key}={_fmt(value)}"
+    plain = f"{key}={fmt(value)}"
     if not isinstance(value, str):
         return plain
     try:
@@ -145,7 +126,7 @@ def _arg(key: str, value: Any) -> str:
 
 
 def _kv(overrides: dict[str, Any]) -> str:
-    return " ".join(f"{k}={_fmt(v)}" for k, v in overrides.items())
+    return " ".join(f"{k}={fmt(v)}" for k, v in overrides.items())
 
 
 def load_spec(path: str | Path) -> SweepSpec:
@@ -169,10 +150,6 @@ def load_spec(path: str | Path) -> SweepSpec:
     return spec
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
     where = f"parameters.{key}"
     if isinstance(value, list):
@@ -181,7 +158,7 @@ def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
         for v in value:
             if isinstance(v, list | dict):
                 raise _err(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
-        if len({json.dumps(float(v) if _number(v) else v) for v in value}) != len(value):  # 1 and 1.0 are one value
+        if len({json.dumps(float(v) if is_number(v) else v) for v in value}) != len(value):  # 1 and 1.0 are one value
             raise _err(where, f"lists a value twice: {value}", "list each value once (a repeat is a duplicate trial)")
         return
     if not isinstance(value, dict):
@@ -205,7 +182,7 @@ def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
     if dist not in DISTRIBUTIONS:
         raise _err(f"{where}.distribution", f"must be one of {', '.join(DISTRIBUTIONS)}, got {dist!r}", f"e.g. {example}")
     for k, v in (("min", lo), ("max", hi)):
-        if not _number(v) or (dist == "int_uniform" and not isinstance(v, int)):
+        if not is_number(v) or (dist == "int_uniform" and not isinstance(v, int)):
             kind = "a whole number" if dist == "int_uniform" else "a number"
             raise _err(f"{where}.{k}", f"must be {kind}, got {v!r}", f"e.g. {example}")
     if lo >= hi:
@@ -240,8 +217,10 @@ def validate(spec: SweepSpec) -> None:
                        f"Slurm's default MaxArraySize is 1001: use trials: {MAX_TRIALS} or fewer, or split the sweep")
     if not spec.parameters:
         raise _err("parameters", "is empty: nothing to sweep", "e.g. parameters: {optim.lr: [0.01, 0.1]}")
+    if spec.command is not None:
+        _check_command(spec)
     for key, value in spec.parameters.items():
-        if key in PER_TRIAL:
+        if key in PER_TRIAL and spec.command is None:
             raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
         _check_parameter(spec, key, value)
     for arg in spec.args:
@@ -262,6 +241,24 @@ def validate(spec: SweepSpec) -> None:
             raise _err("parameters", f"the grid has {count} trials; one Slurm array holds at most {MAX_TRIALS}",
                        "Slurm's default MaxArraySize is 1001: list fewer values, split the sweep, "
                        f"or use method: random with trials: {MAX_TRIALS} or fewer")
+
+
+def _check_command(spec: SweepSpec) -> None:
+    """A command sweep: words that split, no trainer args, parameter names that make --name flags, known placeholders."""
+    try:
+        words = shlex.split(spec.command or "")
+    except ValueError as exc:
+        raise _err("command", f"cannot split {spec.command!r} into words ({exc})", "close every quote") from None
+    if not words:
+        raise _err("command", "is empty", 'e.g. command: "python train.py --epochs 2"')
+    if spec.args:
+        raise _err("args", "are trainer overrides; this sweep runs a command", "put fixed arguments in command:")
+    for key in spec.parameters:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", key):
+            raise _err(f"parameters.{key}", "is not a plain name (it becomes --name or fills {name})", "e.g. lr, batch-size")
+    for name in re.findall(r"\{([^{}]*)\}", spec.command or ""):
+        if name not in spec.parameters:
+            raise _err("command", f"{{{name}}} names no parameter", f"parameters are: {', '.join(spec.parameters)}")
 
 
 def _space(spec: SweepSpec) -> float:
@@ -301,7 +298,19 @@ def plan(spec: SweepSpec) -> list[Trial]:
         else:  # validate() checked the space is large enough; only bad luck in a nearly full one ends here
             raise _err("trials", f"drew only {len(combos)} distinct trials of {spec.trials}",
                        "use fewer trials, or widen the ranges")
+    if spec.command is not None:
+        return [Trial(i, c, command_argv(spec.command, c), command=True) for i, c in enumerate(combos)]
     return [Trial(i, c, [*spec.args, *(_arg(k, v) for k, v in c.items())]) for i, c in enumerate(combos)]
+
+
+def command_argv(command: str, values: dict[str, Any]) -> list[str]:
+    """The command's words with ``{name}`` placeholders filled; values without a placeholder follow as --name value."""
+    words, unused = shlex.split(command), dict(values)
+    for key, value in values.items():
+        if any(f"{{{key}}}" in w for w in words):
+            words = [w.replace(f"{{{key}}}", fmt(value)) for w in words]
+            del unused[key]
+    return [*words, *(a for k, v in unused.items() for a in (f"--{k}", fmt(v)))]
 
 
 def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
@@ -310,6 +319,8 @@ def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
     An error is renamed after what the user wrote: ``sweep.args`` for the fixed args, ``sweep.parameters.<key>``
     for a swept key; the trainer's hint is kept.
     """
+    if spec.command is not None:  # a command checks its own arguments when it starts
+        return
     try:
         load_train_config(spec.args)
     except UserError as err:
@@ -352,17 +363,16 @@ def sweep_profile(spec: SweepSpec, sets: dict[str, object], sweep_dir: Path) -> 
         raise UserError("sweep.profile.signal" if p.signal != "USR2" else "sweep.profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
                         "use signal: USR2 and launch: srun for sweeps")
-    if p.container.runtime != "none":
-        # The batch shell's requeue rule watches $RUN_DIR for requeue.json: point it at this array task's trial.
-        trials = shlex.quote(str(sweep_dir / "trials"))
-        p = dataclasses.replace(p, setup=[*p.setup, f'export RUN_DIR={trials}/"${{SLURM_ARRAY_TASK_ID:-0}}"'])
-    return p
+    # The batch shell's requeue rule watches $RUN_DIR for requeue.json (and a command writes there): this array
+    # task's trial.
+    trials = shlex.quote(str(sweep_dir / "trials"))
+    return dataclasses.replace(p, setup=[*p.setup, f'export RUN_DIR={trials}/"${{SLURM_ARRAY_TASK_ID:-0}}"'])
 
 
 def sweep_executor(p: Profile, spec: SweepSpec, sweep_dir: Path) -> Any:
     """The profile's submitit executor with the array throttle (``#SBATCH --array=0-N%max_parallel``); an optional
     preflight doctor checks the trials' folder and the spec's fixed args."""
-    ex = executor(p, None, [*spec.args, f"run.dir={sweep_dir / 'trials'}"])
+    ex = executor(p, None, [] if spec.command is not None else spec.args)
     ex.update_parameters(slurm_array_parallelism=spec.max_parallel)
     return ex
 
@@ -381,14 +391,9 @@ def array_script(p: Profile, spec: SweepSpec, sweep_dir: Path, n: int) -> str:
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
-def _columns(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows])
-
-
 def trial_table(trials: list[Trial], parameters: list[str]) -> str:
     """The planned trials, one line each: index and swept values."""
-    return _columns(["trial", *parameters], [[str(t.index), *(_fmt(t.overrides[k]) for k in parameters)] for t in trials])
+    return columns(["trial", *parameters], [[str(t.index), *(fmt(t.overrides[k]) for k in parameters)] for t in trials])
 
 
 def _new_sweep_dir(root: Path, name: str, create: bool) -> Path:
@@ -414,6 +419,12 @@ def _unwritable(verb: str, sweep_dir: Path, exc: OSError) -> UserError:
                      "run the sweep from a folder this user can write, on storage every node shares")
 
 
+def _task(p: Profile, t: Trial, sweep_dir: Path) -> TrainTask | CommandTask:
+    if t.command:
+        return CommandTask(t.task_args(sweep_dir), p.signal, requeue_after(p) if p.requeue_on_signal else None)
+    return TrainTask(t.task_args(sweep_dir))
+
+
 def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll_s: float = 5.0) -> int:
     """``python -m cluster sweep``: validate, then print (dry run) or submit the array; with wait, report the results."""
     spec = load_spec(spec_path)
@@ -430,7 +441,8 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         print(f"# sweep {spec.name}: {len(trials)} trials ({spec.method}), at most {spec.max_parallel} at a time, "
               f"profile {p.name}\n{trial_table(trials, keys)}\n")
         for t in trials:  # the tasks travel as pickles, not in the script
-            print(f"# trial {t.index} runs: python -m trainer {shlex.join(t.task_args(sweep_dir))}")
+            program = f"trainer.launch {shlex.join(Command(()).launch_args(p))}" if t.command else "trainer"
+            print(f"# trial {t.index} runs: python -m {program} {shlex.join(t.task_args(sweep_dir))}")
         print()
         print(array_script(p, spec, sweep_dir, len(trials)), end="")
         return 0
@@ -456,7 +468,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         (sweep_dir / "trials").mkdir()
         write_json(sweep_dir / "sweep.json", record)
         with ex.batch():  # one sbatch call: a job array
-            jobs = [ex.submit(TrainTask(t.task_args(sweep_dir), p.max_requeues)) for t in trials]
+            jobs = [ex.submit(_task(p, t, sweep_dir)) for t in trials]
     except OSError as exc:
         shutil.rmtree(sweep_dir, ignore_errors=True)
         raise _unwritable("write", sweep_dir, exc) from None
@@ -475,154 +487,3 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     return finish(sweep_dir, poll_s) if wait else 0
 
 
-def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
-    """``--wait``: wait for every trial, print the table and where each failed trial's log is; 1 if any failed."""
-    try:
-        rows = wait_for(sweep_dir, poll_s)
-    except KeyboardInterrupt:  # stops the waiting, not the sweep
-        print(f"\nstopped waiting; the sweep runs on: python -m cluster sweep-status {shlex.quote(str(sweep_dir))}",
-              file=sys.stderr)
-        return 130
-    print(format_status(sweep_dir, rows))
-    data = _read_sweep(sweep_dir)
-    failed = [r for r in rows if r.state != "done"]
-    for r in sorted(failed, key=lambda r: r.index):
-        # submitit's log layout (rank 0); a one-trial sweep is a plain job, not an array
-        job = data["array_job_id"] if len(rows) == 1 else f"{data['array_job_id']}_{r.index}"
-        print(f"trial {r.index} ended {r.state} without a result; log: {sweep_dir / 'logs' / job / f'{job}_0_log.err'}",
-              file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _job_indexes(job: str, array_id: str, n: int) -> list[int]:
-    """Array indexes named by a sacct/squeue JobID: ``123_4``, a pending range ``123_[0-3,7%2]``, or ``123``."""
-    head, _, tail = job.partition("_")
-    if head != array_id:
-        return []
-    if not tail:
-        return [0] if n == 1 else []  # submitit submits a one-trial sweep as a plain job
-    if tail.isdigit():
-        return [int(tail)]
-    out: list[int] = []
-    for part in tail.strip("[]").split("%")[0].split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit() and (hi.isdigit() or not hi):
-            out += range(int(lo), int(hi or lo) + 1)
-    return out
-
-
-def _ask(cmd: list[str]) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):  # no Slurm here, or it hangs
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def slurm_states(array_id: str, n: int) -> dict[int, str]:
-    """Slurm's state (lower case) of each array task: sacct first, squeue for tasks sacct does not know (yet)."""
-    states: dict[int, str] = {}
-    for cmd in (["sacct", "-j", array_id, "-n", "-P", "-X", "--format=JobID,State"],
-                ["squeue", "-h", "-r", "-j", array_id, "-o", "%i|%T"]):
-        for line in _ask(cmd).splitlines():
-            job, _, state = line.strip().partition("|")
-            for i in _job_indexes(job, array_id, n):
-                if state.split():
-                    states.setdefault(i, state.split()[0].lower())  # "CANCELLED by 0" → cancelled
-        if len(states) >= n:
-            break
-    return states
-
-
-def _read_sweep(sweep_dir: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads((sweep_dir / "sweep.json").read_text())
-    except (OSError, ValueError):
-        raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} is not a sweep folder (no readable sweep.json)",
-                        "pass a folder under sweeps/ made by `make sweep`, e.g. SWEEP_DIR=sweeps/example-20250101-120000"
-                        ) from None
-    return data
-
-
-def _sort_key(mode: str) -> Any:
-    def key(r: Row) -> tuple[int, float, int]:
-        if r.value is None:
-            return (1, 0.0, r.index)
-        return (0, -r.value if mode == "max" else r.value, r.index)
-    return key
-
-
-def status(sweep_dir: Path) -> list[Row]:
-    """Every trial with its state and metric, best first (per the spec's mode); trials without a metric last."""
-    data = _read_sweep(sweep_dir)
-    metric, mode, trials = data["spec"]["metric"], data["spec"]["mode"], data["trials"]
-    slurm = slurm_states(str(data["array_job_id"]), len(trials)) if data["array_job_id"] else {}
-    rows = []
-    for t in trials:
-        run_dir = Path(t["run_dir"])
-        raw = slurm.get(t["index"], "unknown")
-        value: float | None = None
-        try:
-            found = json.loads((run_dir / "result.json").read_text())[metric]
-            value = found if _number(found) else None
-            state = "done"
-        except (OSError, ValueError, KeyError):
-            # A saved-for-requeue trial waits for its next start, unless Slurm has already ended it for good.
-            state = "requeued" if (run_dir / "requeue.json").exists() and raw not in FINISHED else raw
-        rows.append(Row(t["index"], t["overrides"], state, raw, value, run_dir))
-    return sorted(rows, key=_sort_key(mode))
-
-
-FORGOTTEN_S = 120.0
-"""A trial Slurm never reported (no accounting, and squeue forgets ended jobs) counts as ended after this long."""
-
-
-def wait_for(sweep_dir: Path, poll_s: float = 5.0) -> list[Row]:
-    """Poll :func:`status` until Slurm has ended every trial (a requeued trial is waited for); print progress.
-
-    Without accounting, a trial squeue once listed and no longer knows has ended (squeue forgets ended jobs);
-    one never seen at all counts as ended after :data:`FORGOTTEN_S`, so waiting always ends.
-    """
-    last, seen, started = -1, set(), time.monotonic()
-    while True:
-        rows = status(sweep_dir)
-        seen |= {r.index for r in rows if r.slurm != "unknown"}
-        gone = time.monotonic() - started > FORGOTTEN_S
-        ended = sum(r.slurm in FINISHED or (r.slurm == "unknown" and (r.state == "done" or r.index in seen or gone))
-                    for r in rows)
-        if ended != last:
-            print(f"{ended}/{len(rows)} trials ended", flush=True)
-            last = ended
-        if ended == len(rows):
-            return rows
-        time.sleep(poll_s)
-
-
-def format_status(sweep_dir: Path, rows: list[Row]) -> str:
-    """The status table (trial, swept values, state, metric) and, last, the best trial's run folder."""
-    data = _read_sweep(sweep_dir)
-    metric, mode, keys = data["spec"]["metric"], data["spec"]["mode"], list(data["spec"]["parameters"])
-    body = [[str(r.index), *(_fmt(r.overrides.get(k)) for k in keys), r.state,
-             "-" if r.value is None else f"{r.value:.4f}" if isinstance(r.value, float) else str(r.value)] for r in rows]
-    scored = sorted((r for r in rows if r.value is not None), key=_sort_key(mode))
-    best = (f"best: trial {scored[0].index} ({metric} {scored[0].value}, {mode}): {scored[0].run_dir}" if scored
-            else f"best: none yet (no trial has {metric} in its result.json)")
-    array = data["array_job_id"] or "(not submitted)"
-    head = f"sweep {data['sweep_id']}: array {array}, {len(rows)} trials, ranked by {metric} ({mode})"
-    return f"{head}\n{_columns(['trial', *keys, 'state', metric], body)}\n{best}"
-
-
-def newest_sweep(root: Path) -> Path:
-    """The most recently submitted sweep folder under ``root/sweeps``."""
-    found = sorted(root.glob("sweeps/*/sweep.json"), key=lambda f: f.stat().st_mtime)
-    if not found:
-        raise UserError("SWEEP_DIR", f"no sweep under {root / 'sweeps'}",
-                        "submit one first (make sweep SWEEP=cluster/sweeps/example.yaml), or pass SWEEP_DIR=…")
-    return found[-1].parent
-
-
-def show_status(sweep_dir: str | None) -> int:
-    """``python -m cluster sweep-status``: print the table of one sweep (default: the newest)."""
-    folder = Path(sweep_dir) if sweep_dir else newest_sweep(Path.cwd())
-    print(format_status(folder, status(folder)))
-    return 0

@@ -1,51 +1,69 @@
-"""The submitit task: runs the trainer in each Slurm task and requeues after a signalled save."""
+"""The submitit tasks: the built-in trainer, or a user's command, in each Slurm task.
+
+Neither requeues by itself: a save after a signal ends the task with exit 75 (rank 0 leaves the requeue marker)
+and the batch script's teardown applies the one requeue rule (cluster/render.py ``requeue_rule``). submitit's
+own USR2 handler, which would requeue on its own terms, is replaced before anything runs.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 from typing import Any
 
-import submitit
-
 from trainer.errors import EXIT_REQUEUE, UserError
 
 
-class TrainTask(submitit.helpers.Checkpointable):
+def _leave_requeue_to_the_batch_script() -> None:
+    # submitit installed a USR2 handler that checkpoints and requeues; the warning now only reaches the training
+    # code (the session's handler, or the command, which gets Slurm's signal itself).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def _requeue_exit() -> None:
+    # Leaving without a result keeps the submitting side waiting for the requeued run's result.
+    sys.exit(EXIT_REQUEUE)
+
+
+class TrainTask:
     """``python -m trainer ARGS`` as a submitit job; its state lives in the run folder, not in this object."""
 
-    def __init__(self, args: list[str], max_requeues: int) -> None:
+    def __init__(self, args: list[str]) -> None:
         self.args = args
-        self.max_requeues = max_requeues
 
     def __call__(self) -> dict[str, Any]:
         from trainer.__main__ import run
 
+        _leave_requeue_to_the_batch_script()
         args = self.args
         if os.environ.get("RUN_DIR") and not any(a.startswith("run.dir=") for a in args):
-            args = [*args, f"run.dir={os.environ['RUN_DIR']}"]  # the folder the batch shell watches (containers)
+            args = [*args, f"run.dir={os.environ['RUN_DIR']}"]  # the folder the batch shell watches
         try:
             result = run(args)
         except UserError as err:  # shown by job.result() on the submitting side, without a deep traceback
             raise RuntimeError(err.render()) from None
-        if result["exit_code"] != EXIT_REQUEUE:
-            return result
-        # The trainer saved at a step boundary after a signal. A TERM comes from Slurm ending or requeueing
-        # the job itself: nothing to do. Our own warning signal (USR2) asks us to requeue: submitit's handler,
-        # which the trainer put back, calls checkpoint() and `scontrol requeue` on rank 0 and exits there.
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        if result["signal"] != "SIGTERM":
-            if restarts >= self.max_requeues:
-                raise RuntimeError(f"checkpoint saved, but not requeued: {restarts} requeues done (max_requeues)")
-            handler = signal.getsignal(signal.SIGUSR2)
-            # Inside an image without scontrol, the batch script's teardown requeues (it sees requeue.json).
-            if callable(handler) and shutil.which("scontrol"):
-                handler(signal.SIGUSR2, None)
-        # Leaving without a result keeps the client waiting for the requeued run's result.
-        sys.exit(EXIT_REQUEUE)
+        if result["exit_code"] == EXIT_REQUEUE:
+            _requeue_exit()
+        return result
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """Requeue the same task: on restart the trainer resumes from the run folder's newest checkpoint."""
-        return submitit.helpers.DelayedSubmission(TrainTask(self.args, self.max_requeues))
+
+class CommandTask:
+    """A user's command in each task, through :func:`trainer.launch.run` (torchrun's variables, the warning signal)."""
+
+    def __init__(self, argv: list[str], warning: str, requeue_after: float | None) -> None:
+        self.argv, self.warning, self.requeue_after = argv, warning, requeue_after
+
+    def __call__(self) -> dict[str, Any]:
+        from trainer.launch import run
+
+        _leave_requeue_to_the_batch_script()
+        try:
+            rc = run(self.argv, self.warning, self.requeue_after)
+        except UserError as err:
+            raise RuntimeError(err.render()) from None
+        if rc == EXIT_REQUEUE:
+            _requeue_exit()
+        if rc:
+            raise RuntimeError(f"the command exited with code {rc} (its output is in this task's log)")
+        return {"exit_code": 0, "rank": int(os.environ.get("SLURM_PROCID", "0"))}

@@ -27,8 +27,8 @@ vars=(RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK MASTER_AD
       SLURM_PROCID SLURM_LOCALID SLURM_NTASKS SLURM_NODEID SLURM_NNODES SLURM_JOB_NODELIST SLURM_STEP_NODELIST
       SLURM_STEP_NUM_NODES SLURM_JOB_ID SLURM_STEP_ID SLURM_NTASKS_PER_NODE SLURM_STEP_TASKS_PER_NODE
       SLURM_TASKS_PER_NODE SLURM_JOB_NAME SLURM_ARRAY_JOB_ID SLURM_ARRAY_TASK_ID SLURM_RESTART_COUNT
-      SLURM_GPUS_ON_NODE WANDB_API_KEY TRAINER_FAULTS
-      WANDB_MODE WANDB_PROJECT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS PYTHONUNBUFFERED RUN_DIR)
+      SLURM_GPUS_ON_NODE WANDB_API_KEY TRAINER_FAULTS RUN_DIR TRAINER_SIGNAL
+      WANDB_MODE WANDB_PROJECT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS PYTHONUNBUFFERED)
 env_args=()
 for v in "${vars[@]}"; do
     if [[ -n ${!v+x} ]]; then env_args+=(-e "$v"); fi
@@ -46,7 +46,9 @@ fi
 "$engine" rm -f "$name" >/dev/null 2>&1 || true
 
 # The working folder is mounted at the same path, so relative run folders and logs land on the host.
-"$engine" run --rm --init --name "$name" --network host --ipc=host "${gpu_args[@]}" \
+# The engine's init (tini) passes a signal to its child only; TINI_KILL_PROCESS_GROUP makes it signal the child's
+# whole process group, as Slurm does outside a container (a command under `python -m trainer.launch` gets it too).
+"$engine" run --rm --init -e TINI_KILL_PROCESS_GROUP=1 --name "$name" --network host --ipc=host "${gpu_args[@]}" \
     --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$PWD:$PWD" -w "$PWD" "${opts[@]}" \
     "${env_args[@]}" --entrypoint "" "$image" "$@" &
 child=$!

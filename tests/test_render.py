@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.__main__ import main as cluster_main
+from cluster.command import Command, parse
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
 from cluster.submit import sbatch_script, submitit_script
@@ -65,17 +66,17 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path, launcher: s
     _shellcheck(path, "--exclude=SC2016")  # SC2016 flags the hostile '$(...)' we quote on purpose
 
 
-@pytest.mark.parametrize("name", ["train.sbatch", "train-torchrun.sbatch"])
+@pytest.mark.parametrize("name", ["train.sbatch", "train-torchrun.sbatch", "run.sbatch"])
 def test_templates_pass_bash_n_and_shellcheck(name: str) -> None:
     path = ROOT / "slurm" / name
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     _shellcheck(path)
 
 
-@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+@pytest.mark.parametrize("launch", ["srun", "torchrun", "command"])
 def test_hand_run_templates_are_what_the_renderer_makes(launch: str) -> None:
-    name = "train.sbatch" if launch == "srun" else "train-torchrun.sbatch"
-    sets = ["--set", "log_dir=."] + (["--set", "launch=torchrun"] if launch == "torchrun" else [])
+    name = {"srun": "train.sbatch", "torchrun": "train-torchrun.sbatch", "command": "run.sbatch"}[launch]
+    sets = ["--set", "log_dir=."] + {"srun": [], "torchrun": ["--set", "launch=torchrun"], "command": ["--command"]}[launch]
     proc = subprocess.run([sys.executable, "-m", "cluster", "render", "--cluster", "example-h100", *sets],
                           capture_output=True, text=True, cwd=ROOT, check=True)
     assert proc.stdout == (ROOT / "slurm" / name).read_text(), "regenerate with the command in the file's header"
@@ -183,3 +184,93 @@ def test_gpu_jobs_turn_on_nccls_flight_recorder_with_a_quoted_folder(hostile_dir
     assert shown == f"{hostile_dir}/7/nccl-trace-rank-" and not (hostile_dir / "pwned").exists()
     assert 'nccl_trace="$RUN_DIR/nccl-trace-rank-"' in sbatch_script(p, [])
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in sbatch_script(load_profile("dev"), [])  # CPU jobs have no NCCL
+
+
+COMMAND = ["python", "train.py", "a b", "x'; touch pwned; echo 'y", "$(touch pwned)", "`touch pwned`", "--lr=1", "*"]
+COMMAND_CASES = [("sbatch", "srun"), ("sbatch", "torchrun"), ("submitit", "srun")]
+
+
+def command_script(launcher: str, launch: str, **sets: object) -> str:
+    p = load_profile("dev", {"launch": launch, **sets})
+    cmd = Command(tuple(COMMAND))
+    return sbatch_script(p, [], cmd) if launcher == "sbatch" else submitit_script(p, [], cmd)
+
+
+@pytest.mark.parametrize(("launcher", "launch"), COMMAND_CASES)
+def test_golden_command_scripts(tmp_path: Path, launcher: str, launch: str) -> None:
+    path = GOLDEN / f"{launcher}-command-{launch}.sh"
+    text = normalized(command_script(launcher, launch))
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
+    (tmp_path / "job.sh").write_text(command_script(launcher, launch))
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    _shellcheck(tmp_path / "job.sh", "--exclude=SC2016")
+
+
+@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+def test_command_arguments_arrive_verbatim_and_nothing_executes(tmp_path: Path, launch: str) -> None:
+    res = _run_script(command_script("sbatch", launch), tmp_path)
+    srun = [c for c in res["calls"] if c[0] == "srun"]  # type: ignore[union-attr,index]
+    assert len(srun) == 1, res
+    argv = srun[0][1]
+    assert argv[argv.index("--") + 1:] == COMMAND  # exactly the words, after trainer.launch's own options
+    assert argv[argv.index("trainer.launch") + 1:argv.index("--")] == (
+        ["--signal", "USR2"] + (["--torchrun", "1"] if launch == "torchrun" else []))
+    assert not list(tmp_path.rglob("pwned")) and not list(Path.cwd().glob("pwned"))
+
+
+def test_hand_run_command_template_passes_its_arguments_as_the_command(tmp_path: Path) -> None:
+    script = (ROOT / "slurm" / "run.sbatch").read_text()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    rec = tmp_path / "argv.json"
+    (bin_dir / "srun").write_text(f"#!/usr/bin/env python3\nimport json, sys\nopen({str(rec)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / "srun").chmod(0o755)
+    (tmp_path / "job.sh").write_text(script)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "RUN_DIR": str(tmp_path / "r")}
+    proc = subprocess.run(["bash", str(tmp_path / "job.sh"), *COMMAND], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(rec.read_text())
+    assert argv[argv.index("--") + 1:] == COMMAND and not list(tmp_path.rglob("pwned"))
+
+
+def test_requeue_on_signal_gives_the_command_a_deadline() -> None:
+    text = command_script("sbatch", "srun", requeue_on_signal=True, signal_grace_s=90)
+    assert "-m trainer.launch --signal USR2 --requeue-after 70 -- python train.py" in text
+
+
+@pytest.mark.parametrize(("rc", "restarts", "marker", "requeued", "exit_code"), [
+    (0, 0, False, False, 0),
+    (1, 0, False, False, 1),
+    (75, 0, False, True, 0),
+    (1, 0, True, True, 0),
+    (75, 3, False, False, 75),
+])
+def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool,
+                                                      requeued: bool, exit_code: int) -> None:
+    """The rule has one home: submitit's teardown runs the lines an sbatch script ends with."""
+    for script in (submitit_script(load_profile("dev"), []), command_script("submitit", "srun")):
+        case = tmp_path / str(len(list(tmp_path.iterdir())))
+        case.mkdir()
+        res = _run_script(script, case, rc=rc, restarts=restarts, marker=marker)
+        requeues = [c for c in res["calls"] if c[0] == "scontrol"]  # type: ignore[union-attr,index]
+        assert (requeues == [["scontrol", ["requeue", "77"], str(case / "run")]]) == requeued, res
+        assert res["rc"] == exit_code, res
+
+
+@pytest.mark.parametrize(("args", "module", "expected"), [
+    (["optim.lr=0.1", "train.epochs=2"], None, None),
+    ([], None, None),
+    (["python", "train.py", "x=1"], None, ("python", "train.py", "x=1")),
+    (["./run.sh"], None, ("./run.sh",)),
+    (["--lr", "1"], "pkg.train", ("python", "-m", "pkg.train", "--lr", "1")),
+])
+def test_what_a_submission_runs(args: list[str], module: str | None, expected: tuple[str, ...] | None) -> None:
+    cmd = parse(args, module)
+    assert (cmd.argv if cmd else None) == expected
+
+
+def test_a_bad_module_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cluster_main(["submit", "--dry-run", "--module", "pkg/train.py", "--", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: --module")

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cluster import sweep
+from cluster import sweep, sweep_status
 from cluster.__main__ import main as cluster_main
-from cluster.sweep import SweepSpec, plan, status
+from cluster.sweep import SweepSpec, plan
+from cluster.sweep_status import status
 from trainer.config import load as load_train_config
 from trainer.files import write_json
 
@@ -204,7 +205,7 @@ def test_random_trials_are_validated_by_the_trainer(tmp_path: Path, capsys: pyte
     ("1234_1", 8, []), ("123", 1, [0]), ("123", 2, []), ("123.batch", 2, []),
 ])
 def test_array_job_ids(job: str, n: int, indexes: list[int]) -> None:
-    assert sweep._job_indexes(job, "123", n) == indexes
+    assert sweep_status._job_indexes(job, "123", n) == indexes
 
 
 def fake_sweep(tmp_path: Path, mode: str, metrics: dict[int, float]) -> Path:
@@ -227,13 +228,13 @@ def fake_sweep(tmp_path: Path, mode: str, metrics: dict[int, float]) -> Path:
 def test_status_ranks_by_the_metric_and_reads_states(mode: str, order: list[int], tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     folder = fake_sweep(tmp_path, mode, {0: 0.5, 1: 0.9, 2: 0.25})
-    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: {0: "completed", 1: "running", 3: "pending"})
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {0: "completed", 1: "running", 3: "pending"})
     rows = status(folder)
     assert [r.index for r in rows] == order
     by = {r.index: r for r in rows}
     assert [by[i].state for i in range(5)] == ["done", "done", "done", "requeued", "unknown"]
     assert by[2].value == 0.25 and by[3].value is None
-    text = sweep.format_status(folder, rows).splitlines()
+    text = sweep_status.format_status(folder, rows).splitlines()
     assert text[1].split() == ["trial", "optim.lr", "state", "test_loss"]
     assert [line.split()[0] for line in text[2:7]] == [str(i) for i in order]
     assert text[2 + order.index(4)].split() == ["4", "0.5", "unknown", "-"]
@@ -247,9 +248,9 @@ def test_status_ranks_by_the_metric_and_reads_states(mode: str, order: list[int]
 def test_requeue_marker_of_a_trial_slurm_ended_for_good_shows_slurms_state(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     folder = fake_sweep(tmp_path, "min", {})
-    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: {3: "failed"})
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {3: "failed"})
     assert {r.index: r.state for r in status(folder)}[3] == "failed"
-    assert sweep.format_status(folder, status(folder)).splitlines()[-1].startswith("best: none yet")
+    assert sweep_status.format_status(folder, status(folder)).splitlines()[-1].startswith("best: none yet")
 
 
 def test_status_without_slurm_says_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,8 +265,8 @@ def test_wait_reports_failed_trials_and_exits_1(tmp_path: Path, monkeypatch: pyt
     folder = fake_sweep(tmp_path, "min", {0: 0.5, 1: 0.9, 2: 0.25})
     polls = iter([{0: "completed", 1: "running", 3: "pending", 4: "pending"},  # 0 ended, 2 (no Slurm record) is done
                   {0: "completed", 1: "completed", 2: "completed", 3: "failed", 4: "cancelled"}])
-    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: next(polls))
-    assert sweep.finish(folder, poll_s=0) == 1
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: next(polls))
+    assert sweep_status.finish(folder, poll_s=0) == 1
     out, err = capsys.readouterr()
     assert "2/5 trials ended" in out and "5/5 trials ended" in out and "best: trial 2 " in out
     assert err.splitlines() == [f"trial {i} ended {state} without a result; log: {folder}/logs/999_{i}/999_{i}_0_log.err"
@@ -277,10 +278,10 @@ def test_wait_ends_when_slurm_forgets_the_trials(tmp_path: Path, monkeypatch: py
     # No accounting: squeue lists a task while it runs, then forgets it. Trial 4 was never listed at all.
     folder = fake_sweep(tmp_path, "min", {0: 0.5})
     polls = iter([{1: "running", 2: "pending", 3: "pending"}, {2: "running", 3: "pending"}, {}])
-    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: next(polls, {}))
-    clock = iter([0.0, 1.0, 2.0, 3.0, sweep.FORGOTTEN_S + 10])
-    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
-    rows = sweep.wait_for(folder, poll_s=0)
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: next(polls, {}))
+    clock = iter([0.0, 1.0, 2.0, 3.0, sweep_status.FORGOTTEN_S + 10])
+    monkeypatch.setattr(sweep_status.time, "monotonic", lambda: next(clock))
+    rows = sweep_status.wait_for(folder, poll_s=0)
     assert {r.index: r.state for r in rows} == {0: "done", 1: "unknown", 2: "unknown", 3: "requeued", 4: "unknown"}
     out = capsys.readouterr().out
     assert out.splitlines() == ["1/5 trials ended", "2/5 trials ended", "4/5 trials ended", "5/5 trials ended"]
@@ -318,7 +319,7 @@ def test_an_unwritable_sweeps_folder_is_a_user_error(tmp_path: Path, monkeypatch
 def test_sweep_status_defaults_to_the_newest_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     folder = fake_sweep(tmp_path, "min", {1: 0.3})
-    monkeypatch.setattr(sweep, "slurm_states", lambda job, n: {})
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {})
     monkeypatch.chdir(tmp_path)
     rc, out, _ = cli(["sweep-status"], capsys)
     assert rc == 0 and out.startswith(f"sweep {folder.name}: array 999") and "best: trial 1 " in out

@@ -155,7 +155,8 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str | None = None
-    """Run folder (config, checkpoints, results). Default: runs/<Slurm job id>, else runs/<time stamp>."""
+    """Run folder (config, checkpoints, results). Default: $RUN_DIR (set by the batch script), else
+    runs/<Slurm job id>, else runs/<time stamp>."""
     name: str | None = None
     """Human-readable run name (tracking); default: the run folder's name."""
     python_path: list[str] = field(default_factory=list)

@@ -25,7 +25,7 @@ TRAINER_VARIABLES = (
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
-    "TRAINER_FAULTS",
+    "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -69,6 +69,10 @@ class JobInfo:
     gpus_on_node: int
     wandb_key: bool
     """Whether a W&B API key is available (environment or netrc); the key itself is never read."""
+    run_dir: str | None = None
+    """RUN_DIR: the run folder the batch script watches for the requeue marker (the session's default run.dir)."""
+    warning_signal: str | None = None
+    """TRAINER_SIGNAL: the signal Slurm warns this job with (e.g. SIGUSR2), set by `python -m trainer.launch`."""
 
 
 def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
@@ -90,6 +94,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         restart_count=_int(env, "SLURM_RESTART_COUNT", "set by Slurm", default=0),
         gpus_on_node=_int(env, "SLURM_GPUS_ON_NODE", "set by Slurm", default=0),
         wandb_key=key,
+        run_dir=env.get("RUN_DIR") or None,
+        warning_signal=env.get("TRAINER_SIGNAL") or None,
     )
 
 
@@ -128,6 +134,13 @@ def without_placement(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` minus every variable that tells a process where it runs: for launching a fresh job."""
     placement = set(TRAINER_VARIABLES) - {"WANDB_API_KEY"}
     return {k: v for k, v in environ.items() if k not in placement and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
+def torchrun_environ(env: DistEnv) -> dict[str, str]:
+    """torchrun's variables for a process Slurm placed, so ``init_process_group()`` (env://) works unmodified."""
+    return {"RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank), "WORLD_SIZE": str(env.world_size),
+            "LOCAL_WORLD_SIZE": str(env.local_world_size), "GROUP_RANK": str(env.node_rank),
+            "NODE_RANK": str(env.node_rank), "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

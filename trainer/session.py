@@ -105,7 +105,11 @@ class Session:
         self.faults = faults_mod.load()
         self.device = tdist.pick_device(self.env, self.cfg.train.device)
         tdist.setup(self.env, self.cfg, self.device)
-        self.signals = tuple({getattr(signal, self.cfg.checkpoint.signal), signal.SIGTERM})
+        self.job = job_info()
+        # The job's warning signal (set by `python -m trainer.launch`) saves too, whatever checkpoint.signal says.
+        warning = self.job.warning_signal or ""
+        warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
+        self.signals = tuple({getattr(signal, self.cfg.checkpoint.signal), signal.SIGTERM, *warned})
         self.preemption = Preemption(self.signals)
         torch.manual_seed(self.cfg.train.seed)
         self.objects: dict[str, Any] = {}
@@ -169,12 +173,12 @@ class Session:
             raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
                              f"({', '.join(RESERVED)}): pass it under another name")
         self.objects = objects
-        self.run = RunDir.open(self.env, self.cfg.run.dir, to_yaml(self.cfg))
+        self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
         self.heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
         self.checkpointer = ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
                                               self.faults.save_delay_s, on_write=self.heartbeat.alive)
         self.policy = SavePolicy(self.cfg.checkpoint, self.env, self.device, self.preemption)
-        self.tracker = Tracker(self.cfg, self.env, job_info(), self.run.path)  # started below, once the run id is known
+        self.tracker = Tracker(self.cfg, self.env, self.job, self.run.path)  # started below, once the run id is known
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None
         if self.resumed:

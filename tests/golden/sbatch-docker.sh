@@ -16,13 +16,13 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
-RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
 
-mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)  # mounted into the container by absolute path
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
-rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -v /data:/data -- img:1 python3 -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
@@ -31,7 +31,8 @@ fi
 rc=0
 srun --kill-on-bad-exit=1 <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -v /data:/data -- img:1 python3 -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
 
-# Exit 75 (or the marker, when torchrun's agent hides the code): saved after a signal.
+# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
+# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
 if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
   if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
     echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"

@@ -16,12 +16,13 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
-RUN_DIR="${RUN_DIR:-runs/$SLURM_JOB_ID}"
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
-rm -f "$RUN_DIR/requeue.json"  # only this run's own marker may trigger a requeue
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -40,7 +41,8 @@ srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m
     --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
 
-# Exit 75 (or the marker, when torchrun's agent hides the code): saved after a signal.
+# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
+# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
 if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
   if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
     echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"

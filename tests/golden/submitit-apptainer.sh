@@ -31,6 +31,15 @@ srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/
 
 
 # teardown
-if [[ -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
-  scontrol requeue "$SLURM_JOB_ID"
+rc=$?  # the tasks' exit code (srun's, the line above)
+# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
+# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
+if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
+  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
+    exit 0
+  fi
+  echo "not requeueing: 3 requeues done" >&2
 fi
+exit "$rc"

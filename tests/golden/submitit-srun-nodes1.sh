@@ -16,12 +16,30 @@
 
 # setup
 export OMP_NUM_THREADS=1
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
-  srun --kill-on-bad-exit=1 <python> -m trainer.doctor optim.lr=0.1 \
+  srun --kill-on-bad-exit=1 <python> -m trainer.doctor optim.lr=0.1 run.dir="$RUN_DIR" \
     || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 
 # command
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/slurm/%j/%j_%t_log.err --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <cwd>/runs/slurm/%j
+
+
+# teardown
+rc=$?  # the tasks' exit code (srun's, the line above)
+# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
+# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
+if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
+  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
+    exit 0
+  fi
+  echo "not requeueing: 3 requeues done" >&2
+fi
+exit "$rc"

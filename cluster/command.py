@@ -1,0 +1,54 @@
+"""What a job runs: the built-in trainer with key=value overrides, or the user's own command.
+
+``python -m cluster submit -- optim.lr=0.1``           the built-in trainer (every word is key=value)
+``python -m cluster submit -- python train.py --lr 1``  a command (its first word is not key=value)
+``python -m cluster submit --module pkg.train -- ARGS`` ``python -m pkg.train ARGS``
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from cluster.profile import Profile
+from trainer.errors import UserError
+
+OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=")
+"""A trainer override: a dotted key, '=', a value."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A user's command, run in every task by ``python -m trainer.launch`` (argv[0] ``python``: the job's interpreter)."""
+
+    argv: tuple[str, ...]
+
+    def launch_args(self, p: Profile) -> list[str]:
+        """``python -m trainer.launch``'s options for this profile, then ``--`` (the command follows)."""
+        args = ["--signal", p.signal]
+        if p.requeue_on_signal:
+            args += ["--requeue-after", str(requeue_after(p))]
+        if p.launch == "torchrun":
+            args += ["--torchrun", str(p.ntasks_per_node)]
+        return [*args, "--"]
+
+    def __str__(self) -> str:
+        return shlex.join(self.argv)
+
+
+def requeue_after(p: Profile) -> int:
+    """Seconds a command may go on after the warning before it is stopped and requeued: the grace, less time to
+    stop it (trainer.launch waits 10 s after TERM) and to requeue."""
+    return max(1, p.signal_grace_s - 20)
+
+
+def parse(args: list[str], module: str | None = None) -> Command | None:
+    """The command in ``args`` (None: the built-in trainer, ``args`` are its overrides)."""
+    if module is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
+            raise UserError("--module", f"{module!r} is not a dotted module name", "e.g. --module mypkg.train")
+        return Command(("python", "-m", module, *args))
+    if not args or OVERRIDE.match(args[0]):
+        return None
+    return Command(tuple(args))

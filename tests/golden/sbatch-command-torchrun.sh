@@ -1,0 +1,46 @@
+#!/bin/bash
+# rendered from profile 'dev' by `python -m cluster submit`
+#SBATCH --job-name=train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
+# SITE
+#SBATCH --partition=dev
+#SBATCH --signal=USR2@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=runs/slurm/%x-%j.out
+set -euo pipefail
+
+export OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
+
+# Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
+if [[ "${DOCTOR:-0}" == 1 ]]; then
+  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  port=$(( 15000 + SLURM_JOB_ID % 15000 ))
+  srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+      --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
+      --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
+      -m trainer.doctor checkpoint.signal=SIGUSR2 run.dir="$RUN_DIR" \
+    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
+fi
+rc=0
+srun --kill-on-bad-exit=1 <python> -m trainer.launch --signal USR2 --torchrun 1 -- python train.py 'a b' 'x'"'"'; touch pwned; echo '"'"'y' '$(touch pwned)' '`touch pwned`' --lr=1 '*' "$@" || rc=$?
+
+# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
+# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
+if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
+  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
+    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
+    exit 0
+  fi
+  echo "not requeueing: 3 requeues done" >&2
+fi
+exit "$rc"
