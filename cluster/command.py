@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.profile import Profile
 from trainer.errors import UserError
@@ -51,4 +52,8 @@ def parse(args: list[str], module: str | None = None) -> Command | None:
         return Command(("python", "-m", module, *args))
     if not args or OVERRIDE.match(args[0]):
         return None
+    if args[0] in ("python", "python3") and len(args) > 1 and not args[1].startswith("-") and not Path(args[1]).is_file():
+        # Jobs start in the folder they are submitted from: a script missing here fails on the cluster too.
+        raise UserError("CMD", f"{args[1]!r} is not a file (looked in {Path.cwd()})",
+                        "give the script's path from the folder you submit from; the job starts there")
     return Command(tuple(args))

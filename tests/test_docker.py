@@ -93,3 +93,30 @@ def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, st
     wait_for(lambda: job_state(job, env) in ("CANCELLED", "CANCELLED+"), timeout=60, what="CANCELLED")
     time.sleep(2)
     assert containers() == []
+
+
+def test_commands_run_in_the_image_and_get_the_warning_through_its_init(
+        image: str, engine_env: dict[str, str], slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """A plain DDP script, then the char LM warned once: the signal reaches the session inside the container
+    (docker-task.sh → the engine's init → the whole process group), it saves, the batch shell requeues."""
+    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
+    docker_set = ["--set", "container.runtime=docker", "--set", f"container.image={image}"]
+    plain = tmp_path / "plain"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", *docker_set, "--", "python", "tests/scripts/plain_ddp.py"],
+                       {**env, "RUN_DIR": str(plain)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [json.loads((plain / f"rank-{r}.json").read_text())["sum"] for r in range(2)] == [3.0, 3.0]
+
+    run = tmp_path / "run"
+    lm = ["python", "examples/char_lm/train.py", "--max-steps", "40", "--eval-every", "1000", "--max-bytes", "40000",
+          "--batch-size", "8", "--sample", "0", "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+    proc = cluster_cmd(["--launcher", "sbatch", *docker_set, "--", *lm],
+                       {**env, "RUN_DIR": str(run), **faults(step_delay_s=0.25)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_id_of(proc.stdout)
+    wait_for(lambda: (run / "config.yaml").exists() and job_state(job, env) == "RUNNING", timeout=120, what="training")
+    time.sleep(4)
+    assert subprocess.run(["scancel", "--signal=USR2", job], env=env).returncode == 0
+    wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued attempt to finish")
+    result = json.loads((run / "result.json").read_text())
+    assert result["resumed_from"] and result["global_step"] == 40, result

@@ -225,7 +225,8 @@ def test_hand_run_command_template_passes_its_arguments_as_the_command(tmp_path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     rec = tmp_path / "argv.json"
-    (bin_dir / "srun").write_text(f"#!/usr/bin/env python3\nimport json, sys\nopen({str(rec)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    record = f"open({str(rec)!r}, 'w').write(json.dumps(sys.argv[1:]))"
+    (bin_dir / "srun").write_text(f"#!/usr/bin/env python3\nimport json, sys\n{record}\n")
     (bin_dir / "srun").chmod(0o755)
     (tmp_path / "job.sh").write_text(script)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "RUN_DIR": str(tmp_path / "r")}
@@ -262,7 +263,8 @@ def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, r
 @pytest.mark.parametrize(("args", "module", "expected"), [
     (["optim.lr=0.1", "train.epochs=2"], None, None),
     ([], None, None),
-    (["python", "train.py", "x=1"], None, ("python", "train.py", "x=1")),
+    (["python", "cluster/__init__.py", "x=1"], None, ("python", "cluster/__init__.py", "x=1")),
+    (["python", "-c", "print(1)"], None, ("python", "-c", "print(1)")),
     (["./run.sh"], None, ("./run.sh",)),
     (["--lr", "1"], "pkg.train", ("python", "-m", "pkg.train", "--lr", "1")),
 ])
@@ -271,6 +273,9 @@ def test_what_a_submission_runs(args: list[str], module: str | None, expected: t
     assert (cmd.argv if cmd else None) == expected
 
 
-def test_a_bad_module_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_module_name_or_a_missing_script_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert cluster_main(["submit", "--dry-run", "--module", "pkg/train.py", "--", "x"]) == 2
     assert capsys.readouterr().err.startswith("error: --module")
+    assert cluster_main(["submit", "--dry-run", "--", "python", "no/such/train.py", "--lr", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: CMD: 'no/such/train.py' is not a file") and "HINT:" in err

@@ -374,6 +374,37 @@ def test_the_example_spec_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "#SBATCH --array=0-5%2\n" in out and "#SBATCH --nodes=1\n" in out
 
 
+def test_the_command_example_spec_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = cli(["sweep", str(ROOT / "cluster" / "sweeps" / "char_lm.yaml"), "--dry-run"], capsys)
+    assert rc == 0, err
+    assert "#SBATCH --array=0-3%2\n" in out
+    assert ("# trial 3 runs: python -m trainer.launch --signal USR2 -- python examples/char_lm/train.py --max-steps 100 "
+            "--eval-every 50 --layers 2 tracking.mode=auto --lr 0.003") in out
+
+
+def test_command_trials_fill_placeholders_and_append_the_rest() -> None:
+    spec = SweepSpec(name="c", command="python t.py --name 'run {tag}' {n}", parameters={"tag": ["a b"], "n": [3],
+                                                                                          "lr": [0.1]})
+    (trial,) = plan(spec)
+    assert trial.args == ["python", "t.py", "--name", "run a b", "3", "--lr", "0.1"] and trial.command
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"command": "python t.py 'unclosed"}, "sweep.command"),
+    ({"command": " "}, "sweep.command"),
+    ({"command": "python t.py {nope}"}, "sweep.command"),
+    ({"command": "python t.py", "args": ["optim.lr=1"]}, "sweep.args"),
+    ({"command": "python t.py", "parameters": {"a b": [1]}}, "sweep.parameters.a b"),
+])
+def test_bad_command_specs_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          extra: dict[str, object], field: str) -> None:
+    spec = {"parameters": {"lr": [0.1]}, **extra}
+    rc, _, err = cli(["sweep", str(write(tmp_path, json.dumps(spec))), "--dry-run"], capsys)
+    assert rc == 2 and err.startswith(f"error: {field}") and "HINT:" in err, err
+
+
 def max_overlap(spans: list[tuple[str, str]]) -> int:
     """Most tasks running at once; a task starting in the second another ended does not overlap it."""
     events = sorted([(end, -1) for _, end in spans] + [(start, 1) for start, _ in spans])  # ends before starts

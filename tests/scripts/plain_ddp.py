@@ -1,6 +1,6 @@
 """A plain DDP script that knows nothing of this project: torch only, `init_process_group()` with env://.
 
-Each rank all-reduces rank + 1 and prints one JSON line (and writes it to $OUT_DIR/rank-<r>.json when set).
+Each rank all-reduces rank + 1 and prints one JSON line (and writes it to $OUT_DIR/rank-<r>.json, or into $RUN_DIR).
 Extra arguments are echoed back, to check they arrive unchanged.
 """
 
@@ -20,10 +20,12 @@ value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
 line = {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
         "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "master_addr": os.environ["MASTER_ADDR"],
-        "host": socket.gethostname(), "sum": value.item(), "argv": sys.argv[1:],
+        "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
+        "nodelist": os.environ.get("SLURM_JOB_NODELIST"), "sum": value.item(), "argv": sys.argv[1:],
         "grad": model.module.weight.grad.tolist()}
 print(json.dumps(line), flush=True)
-if os.environ.get("OUT_DIR"):
-    with open(os.path.join(os.environ["OUT_DIR"], f"rank-{rank}.json"), "w") as f:
+out = os.environ.get("OUT_DIR") or os.environ.get("RUN_DIR")
+if out:
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(line, f)
 dist.destroy_process_group()
