@@ -230,16 +230,30 @@ def verify(manifest: Path) -> bytes:
 
 
 def find_resumable(target: Path) -> tuple[Path, dict[str, Any]] | None:
-    """Newest complete checkpoint under a run folder or checkpoint folder, or the given file."""
-    if target.is_file():
+    """Newest complete checkpoint under a run folder or checkpoint folder, or the given file or step folder.
+
+    A sharded checkpoint (a ``step_<N>/`` folder) comes back as the folder and its ``extra.pt`` state; its
+    models and optimizers are loaded by every rank with :func:`trainer.sharded.load_sharded`."""
+    if target.is_file() or (target.is_dir() and target.name.startswith(PREFIX)):
         manifest = target.with_suffix(".json")
         candidates = [manifest] if manifest.exists() else []
-        if not candidates:
+        if not candidates and target.is_file():
             return target, torch.load(target, map_location="cpu", weights_only=True)
     else:
         folder = target / "checkpoints" if (target / "checkpoints").is_dir() else target
         candidates = committed(folder)
     for manifest in candidates:
+        meta = json.loads(manifest.read_text())
+        if meta.get("format") == "dcp":
+            from trainer.sharded import EXTRA, verify_files
+
+            step_dir = manifest.parent / meta["dir"]
+            try:
+                verify_files(meta, step_dir)
+            except ValueError as exc:
+                warnings.warn(f"skipping checkpoint {step_dir}: {exc}; trying an older one", stacklevel=2)
+                continue
+            return step_dir, torch.load(step_dir / EXTRA, map_location="cpu", weights_only=True)
         try:
             data = verify(manifest)
         except Exception as exc:

@@ -126,6 +126,11 @@ class DistConfig:
     """Seconds a collective (or the rendezvous) may wait for a peer before the job fails."""
     heartbeat_timeout_s: float = -1.0
     """Seconds of no progress on a rank (after step 1) before a hang report names the stuck ranks; -1: 0.8 × timeout_s; 0: off."""
+    strategy: str = "ddp"
+    """ddp (each rank holds the whole model) or fsdp (FSDP2: parameters, gradients and optimizer state split across
+    ranks, for models bigger than one GPU; checkpoints are then sharded)."""
+    activation_checkpointing: bool = False
+    """fsdp: recompute each sharded block's activations in the backward pass (less memory, about a third more compute)."""
 
     @property
     def heartbeat_s(self) -> float:
@@ -150,6 +155,9 @@ class CheckpointConfig:
     """Signal that asks for save-and-requeue (SIGTERM always does too)."""
     poll_steps: int = 10
     """Optimizer steps between the ranks' checks for a signal or a timed save (and at every epoch end)."""
+    format: str = "auto"
+    """file (rank 0 writes one file), dcp (every rank writes its share: torch.distributed.checkpoint, a folder per
+    step, loadable onto any number of processes), or auto (dcp with dist.strategy=fsdp, else file)."""
 
 
 @dataclass
@@ -208,6 +216,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.strategy": ("ddp", "fsdp"),
+    "checkpoint.format": ("auto", "file", "dcp"),
     "tracking.mode": ("auto", "online", "offline", "disabled"),
 }
 
@@ -343,6 +353,14 @@ def validate(cfg: Config) -> None:
         raise _err("dist.heartbeat_timeout_s", f"is {cfg.dist.heartbeat_timeout_s:g} s, not below dist.timeout_s="
                    f"{cfg.dist.timeout_s:g}: collectives would time out first, without saying which rank is stuck",
                    f"e.g. dist.heartbeat_timeout_s={0.8 * cfg.dist.timeout_s:g}, or 0 to turn hang reports off")
+    if cfg.dist.strategy == "fsdp" and cfg.checkpoint.format == "file":
+        raise _err("checkpoint.format", "file cannot hold a model sharded across ranks (dist.strategy=fsdp)",
+                   "use checkpoint.format=auto or dcp; `python -m trainer.export` makes one file for inference")
+    if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
+        raise _err("train.precision", "fp16 (GradScaler) is not supported with dist.strategy=fsdp",
+                   "use train.precision=bf16: parameters in bf16, gradients reduced in fp32")
+    if cfg.dist.activation_checkpointing and cfg.dist.strategy != "fsdp":
+        raise _err("dist.activation_checkpointing", "applies to the blocks FSDP shards", "add dist.strategy=fsdp")
     sig = getattr(signal, cfg.checkpoint.signal, None)
     if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
         raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")

@@ -13,6 +13,7 @@ from trainer.config import Config
 from trainer.dist import on_main, say
 from trainer.env import DistEnv
 from trainer.errors import UserError
+from trainer.sharded import EXTRA
 
 
 @dataclass
@@ -44,14 +45,17 @@ def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
                 return str(found[0])
         if explicit:
             raise UserError("checkpoint.resume", f"no complete checkpoint in {str(explicit)!r}",
-                            "pass a step_*.pt file with its .json manifest, or a run folder holding checkpoints/")
+                            "pass a step_*.pt file or step_* folder with its .json manifest, or a run folder holding "
+                            "checkpoints/")
         return None
 
     # Rank 0 picks (and verifies) the checkpoint, so warnings appear once and all ranks load the same one.
     chosen = on_main(env, pick)
     if chosen is None:
         return None
-    state = verified.get("state") or torch.load(chosen, map_location="cpu", weights_only=True)
+    # A sharded checkpoint is a folder: here its small extra.pt; models and optimizers load collectively later.
+    source = Path(chosen) / EXTRA if Path(chosen).is_dir() else chosen
+    state = verified.get("state") or torch.load(source, map_location="cpu", weights_only=True)
     return Resumed(Path(chosen), state)
 
 

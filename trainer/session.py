@@ -20,8 +20,10 @@ Saving never happens in a signal handler: a signal sets a flag that ``should_sav
 
 from __future__ import annotations
 
+import contextlib
 import signal
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,65 +36,20 @@ from torch.utils.data import DataLoader, Dataset
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer import faults as faults_mod
+from trainer import sharded as sharded_ckpt
 from trainer.config import Config, load, to_dict, to_yaml
 from trainer.env import discover, job_info
-from trainer.errors import EXIT_REQUEUE, UserError
+from trainer.errors import EXIT_REQUEUE
 from trainer.heartbeat import Heartbeat
 from trainer.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
 from trainer.preemption import Preemption, SavePolicy
 from trainer.resume import Resumed, find
 from trainer.rundir import RunDir
+from trainer.sharding import is_sharded, no_sync, shard
+from trainer.state import RESERVED, STATE_VERSION, PerRank, check_plain, collect, restore_objects
 from trainer.tracking import Tracker
 
-STATE_VERSION = 2
-"""Checkpoint layout: named objects plus step, world_size, config, rng, tracking, meta (1: before the session API)."""
-
-
-class PerRank:
-    """Wrap a stateful object whose state differs per rank (an iterable data set's position): saved from every rank,
-    restored to the same rank when the world size is unchanged."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-
-def _unwrap(obj: Any) -> Any:
-    return obj.module if isinstance(obj, DDP) else obj
-
-
-def _state_of(obj: Any) -> Any:
-    return dict(obj) if isinstance(obj, dict) else _unwrap(obj).state_dict()
-
-
-RESERVED = ("step", "world_size", "config", "version", "tracking", "meta", "rng")
-"""Keys of a checkpoint the session writes itself: not names for restored objects."""
-
-PLAIN = (int, float, str, bool, type(None))
-"""Exact types: numpy's float64 is a float subclass that pickles as numpy and does not load back."""
-
-
-def check_plain(value: Any, where: str) -> None:
-    """Raise when ``value`` holds something a checkpoint cannot load back safely (torch.load(weights_only=True)):
-    found at save time, not when a requeued job would fail to resume."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            check_plain(k, where)
-            check_plain(v, f"{where}[{k!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check_plain(v, f"{where}[{i}]")
-    elif type(value) not in PLAIN and not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}: checkpoints hold tensors, "
-                        "numbers, strings, None and lists/dicts of them (convert it, e.g. float(x), str(path))")
-
-
-def _load_into(obj: Any, state: Any) -> None:
-    if isinstance(obj, dict):
-        obj.clear()
-        obj.update(state)
-    else:
-        _unwrap(obj).load_state_dict(state)
-
+__all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
 
 class Session:
     """One process's share of a job: from the environment and a config (``key=value`` overrides or a Config)."""
@@ -126,6 +83,12 @@ class Session:
         """What ``finish`` wrote to result.json (on every rank)."""
         self.run: RunDir | None = None
         self.last_path: Path | None = None
+        self.stall_s = 0.0
+        """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
+        self.model: nn.Module | None = None
+        """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
+        fmt = self.cfg.checkpoint.format
+        self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
 
     # ---- setup -------------------------------------------------------------------------------
     @property
@@ -142,9 +105,37 @@ class Session:
         tdist.say(self.env, msg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The model on this rank's device inside DDP (save and restore see the unwrapped module)."""
-        model = model.to(self.device)
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        """The model on this rank's device inside DDP, or with ``dist.strategy=fsdp`` sharded in place with FSDP2
+        (blocks from ``model.fsdp_blocks()`` or found; returned as is). Create the optimizer after this."""
+        self.model = model.to(self.device)
+        if self.cfg.dist.strategy == "fsdp" and self.env.world_size == 1:
+            return self.model  # nothing to shard across one process (its checkpoints stay sharded-format)
+        if self.cfg.dist.strategy == "fsdp":
+            return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
+        return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def no_sync(self, model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Gradient accumulation: no gradient all-reduce (DDP) or reduce-scatter (FSDP) inside when ``skip``."""
+        return no_sync(model, skip)
+
+    def eval_batches(self, loader: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
+        so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
+        if self.model is None or not is_sharded(self.model):
+            for batch in loader:
+                yield batch, True
+            return
+        last, batches = None, iter(loader)
+        while True:
+            batch = next(batches, None)
+            more = torch.tensor([batch is not None], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
+            if not more.item():
+                return
+            if batch is None and last is None:
+                raise RuntimeError("this rank's evaluation shard is empty: use fewer processes or more evaluation data")
+            last = batch if batch is not None else last
+            yield last, batch is not None
 
     def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
@@ -175,46 +166,21 @@ class Session:
         self.objects = objects
         self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
         self.heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
-        self.checkpointer = ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
-                                              self.faults.save_delay_s, on_write=self.heartbeat.alive)
+        self.checkpointer: ckpt.Checkpointer | sharded_ckpt.ShardedCheckpointer = (
+            sharded_ckpt.ShardedCheckpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
+                                             self.faults.save_delay_s, self.cfg.checkpoint.async_save)
+            if self.sharded_checkpoints else
+            ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
+                              self.faults.save_delay_s, on_write=self.heartbeat.alive))
         self.policy = SavePolicy(self.cfg.checkpoint, self.env, self.device, self.preemption)
         self.tracker = Tracker(self.cfg, self.env, self.job, self.run.path)  # started below, once the run id is known
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None
         if self.resumed:
-            state = self.resumed.state
-            if state.get("version") != STATE_VERSION:
-                raise UserError("checkpoint.resume", f"{self.resumed.path} has layout {state.get('version')!r}, this "
-                                f"version reads layout {STATE_VERSION}", "finish that run with the version that wrote "
-                                "it, or start afresh: checkpoint.resume=never or another run.dir")
-            same = state["world_size"] == self.env.world_size
-            for name, obj in objects.items():
-                if name not in state:
-                    raise UserError("checkpoint.resume", f"{self.resumed.path} holds no {name!r}",
-                                    f"it holds {', '.join(sorted(state))}: restore the objects it was saved with")
-                try:
-                    if not isinstance(obj, PerRank):
-                        _load_into(obj, state[name])
-                    elif same and state[name] is not None:
-                        _load_into(obj.obj, state[name][self.env.rank])
-                except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-                    was = state.get("meta", {}).get("plugins", {}).get(name)
-                    saved_from = f"; it was saved from {was['target']} {was['kwargs']}" if was else ""
-                    raise UserError("checkpoint.resume", f"{self.resumed.path} does not fit {name!r} "
-                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0]}){saved_from}",
-                                    "resume with what it was trained with, or start afresh: checkpoint.resume=never "
-                                    "or another run.dir") from None
-            if same:
-                ckpt.set_rng_state(state["rng"][self.env.rank])
-            else:
-                per_rank = [n for n, o in objects.items() if isinstance(o, PerRank)]
-                self.print(f"note: checkpoint was written by {state['world_size']} processes, now "
-                           f"{self.env.world_size}: training continues after the samples already seen (to within "
-                           "one batch), but not bit-exactly"
-                           + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else ""))
-            self.step = self.saved_step = int(state["step"])
+            restore_objects(self.resumed, objects, self.env, self.model, self.print)
+            self.step = self.saved_step = int(self.resumed.state["step"])
             self.last_path = self.resumed.path
-            run_id = state.get("tracking", {}).get("run_id")
+            run_id = self.resumed.state.get("tracking", {}).get("run_id")
         self.tracker.start({**self.config_dict, **self.extra_config}, run_id)
         if self.resumed:
             self.print(f"resumed from {self.resumed.path} at step {self.step}")
@@ -281,16 +247,19 @@ class Session:
         self._run()
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
-        state: dict[str, Any] = {}
-        for name, obj in self.objects.items():
-            state[name] = tdist.gather(_state_of(obj.obj)) if isinstance(obj, PerRank) else _state_of(obj)
-            if isinstance(obj, dict) or isinstance(getattr(obj, "obj", None), dict):
-                check_plain(state[name], name)  # the user's own dict: what torch's own objects hold always loads
+        through_dcp, state = collect(self.objects, self.sharded_checkpoints)
         state.update(step=step, world_size=self.env.world_size, config=self.config_dict, version=STATE_VERSION,
                      tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
         self.heartbeat.beat("checkpoint save", step)
-        with self.heartbeat.waiting(not self.env.is_main):  # rank 0 beats while it writes; the others wait for it
-            path = self.checkpointer.save(state, step, blocking=blocking)
+        started = time.perf_counter()
+        if isinstance(self.checkpointer, sharded_ckpt.ShardedCheckpointer):
+            with self.heartbeat.waiting():  # every rank writes its shards: no rank waits on another
+                path = self.checkpointer.save(sharded_ckpt.sharded_state(through_dcp, self.model), state, step,
+                                              blocking=blocking)
+        else:
+            with self.heartbeat.waiting(not self.env.is_main):  # rank 0 beats while it writes; the others wait for it
+                path = self.checkpointer.save(state, step, blocking=blocking)
+        self.stall_s += time.perf_counter() - started  # training waited this long (the copy, for async saves)
         self.saved_step, self.last_path = step, path
         self.policy.saved()
         return path
@@ -313,7 +282,8 @@ class Session:
         summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
-                   "tracking_run_id": self.tracker.run_id, **(result or {})}
+                   "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.stall_s, 4),
+                   "strategy": self.cfg.dist.strategy, **(result or {})}
         self.summary = summary
         run.write_result(summary)
         self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}

@@ -45,7 +45,9 @@ def param_checksum(model: nn.Module) -> str:
     """A digest of every parameter's bytes: equal on all ranks iff their weights are identical."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # a sharded parameter: gathered (collective)
+        # A copy: numpy() on the tensor itself would pin its storage, which FSDP frees and regrows.
+        h.update(whole.detach().cpu().contiguous().clone().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -69,7 +71,7 @@ class Trainer:
         self.loader = sess.loader(data.train, cfg.data.batch_size, **kw)
         self.eval_loader = None if data.test is None else sess.eval_loader(data.test, cfg.data.batch_size, **kw)
         self.net = sess.wrap(parts.model)  # the optimizer holds the same parameters as the unwrapped model
-        self.model: nn.Module = self.net.module  # type: ignore[assignment]
+        self.model: nn.Module = parts.model  # under fsdp the same module as self.net
         o = cfg.optim
         self.optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -105,13 +107,16 @@ class Trainer:
         if self.eval_loader is None:
             return {}
         # The unwrapped model: a DDP forward broadcasts buffers, a collective that ranks with one batch
-        # fewer (shards differ by up to one sample) would never join.
+        # fewer (shards differ by up to one sample) would never join. A sharded model gathers its parameters in
+        # every forward: eval_batches gives every rank as many (the extra ones do not count).
         self.model.eval()
         sums: dict[str, list[Any]] = {}
-        for batch in self.eval_loader:
+        for batch, counts in self.sess.eval_batches(self.eval_loader):
             self.sess.alive()  # shards differ by a batch: not a lockstep beat
             with self.autocast():
                 out = self.task.eval_step(self.model, to_device(batch, self.sess.device))
+            if not counts:
+                continue
             for name, (s, n) in out.items():
                 acc = sums.setdefault(name, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + s, acc[1] + n
@@ -126,7 +131,7 @@ class Trainer:
         for i in range(window):
             sess.beat("data loading")
             batch = to_device(next(batches), sess.device)
-            sync = contextlib.nullcontext() if i == window - 1 else self.net.no_sync()  # type: ignore[operator]
+            sync = sess.no_sync(self.net, skip=i < window - 1)
             sess.beat("forward")
             with sync, self.autocast():
                 out = self.task.training_step(self.net, batch)

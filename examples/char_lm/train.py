@@ -63,14 +63,18 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: Any, device: torch.device, amp: Any) -> float:
-    """Mean loss over the whole evaluation set: each rank sums its shard, then one all-reduce."""
+def evaluate(sess: trainer.Session, model: torch.nn.Module, loader: Any, amp: Any) -> float:
+    """Mean loss over the whole evaluation set: each rank sums its shard, then one all-reduce. (eval_batches: with
+    dist.strategy=fsdp every rank runs as many forward passes; the padding ones do not count.)"""
     model.eval()
+    device = sess.device
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in loader:
+    for (x, y), counts in sess.eval_batches(loader):
         with amp():
-            total[0] += model(x.to(device), y.to(device)).double() * y.numel()
-        total[1] += y.numel()
+            loss = model(x.to(device), y.to(device)).double()
+        if counts:
+            total[0] += loss * y.numel()
+            total[1] += y.numel()
     dist.all_reduce(total)
     model.train()
     return float(total[0] / total[1])
@@ -104,7 +108,7 @@ def main() -> int:
         for step in sess.steps(start, args.max_steps):
             for micro in range(args.accum):  # gradients are all-reduced on the last micro-step only
                 x, y = (t.to(sess.device, non_blocking=True) for t in next(batches))
-                with contextlib.nullcontext() if micro == args.accum - 1 else model.no_sync(), amp():
+                with sess.no_sync(model, skip=micro < args.accum - 1), amp():
                     loss = model(x, y) / args.accum
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,18 +119,18 @@ def main() -> int:
                 train_loss = float(loss.detach()) * args.accum
                 sess.log({"train/loss": train_loss, "train/lr": sched.get_last_lr()[0]}, step)  # W&B and a line
             if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss = evaluate(model, val, sess.device, amp)
+                val_loss = evaluate(sess, model, val, amp)
                 sess.log({"eval/loss": val_loss}, step)
             if sess.should_save(step):
                 sess.save(step)
                 if sess.preempted:
                     break
         code = sess.finish({"test_loss": val_loss})
-        if code == 0 and sess.is_main and args.sample:
+        if code == 0 and args.sample:  # every rank: a sharded model gathers its parameters in each forward
             torch.manual_seed(0)
-            raw: GPT = model.module  # type: ignore[assignment]
+            raw: GPT = sess.model  # type: ignore[assignment]  # the module itself, not DDP's wrapper
             out = raw.generate(torch.tensor([[ord("\n")]], device=sess.device), 60 * args.sample)
-            print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", "replace"), flush=True)
+            sess.print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", "replace"))
         return code
 
 

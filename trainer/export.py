@@ -1,0 +1,87 @@
+"""``python -m trainer.export RUN_DIR|CHECKPOINT OUT.pt [--key model]``: one plain ``state_dict`` file for inference.
+
+Reads the newest committed checkpoint of a run (or the given one), single file or sharded, on one process and
+without the model's code: ``torch.load(OUT.pt)`` gives the parameter and buffer tensors by name, ready for
+``model.load_state_dict`` on a fresh, unwrapped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.errors import EXIT_BAD_INPUT, UserError
+from trainer.files import write_atomic
+
+
+def _sharded(folder: Path, key: str) -> dict[str, torch.Tensor]:
+    """The ``key`` entries of a DCP folder, assembled into whole tensors on this process (no process group)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    if key not in state:
+        raise UserError("--key", f"{folder} holds no {key!r}", f"it holds {', '.join(sorted(state))}")
+    return dict(state[key])
+
+
+def consolidated(target: Path, key: str = "model") -> tuple[Path, dict[str, torch.Tensor]]:
+    """The checkpoint chosen under ``target`` and its ``key`` state as plain, whole tensors."""
+    from trainer.checkpoint import find_resumable
+
+    try:
+        found = find_resumable(target)
+    except Exception as exc:
+        raise UserError("RUN_DIR", f"cannot read {str(target)!r} ({exc})",
+                        "pass a run folder, its checkpoints/ folder, a step_*.pt file or a step_* folder") from None
+    if found is None:
+        raise UserError("RUN_DIR", f"no committed checkpoint under {str(target)!r}",
+                        "pass a run folder that holds checkpoints/ (python -m trainer writes them)")
+    path, state = found
+    if path.is_dir():
+        return path, _sharded(path, key)
+    if key not in state:
+        raise UserError("--key", f"{path} holds no {key!r}", f"it holds {', '.join(sorted(state))}")
+    return path, dict(state[key])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="run folder (its newest committed checkpoint) or a checkpoint")
+    parser.add_argument("out", type=Path, help="the file to write (torch.save of a plain state_dict)")
+    parser.add_argument("--key", default="model", help="which restored object to export (default: model)")
+    ns = parser.parse_args(argv)
+    try:
+        path, state = consolidated(ns.source, ns.key)
+        plain = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        try:
+            ns.out.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(ns.out, _serialized(plain))
+        except OSError as exc:
+            raise UserError("OUT", f"cannot write {str(ns.out)!r} ({exc.strerror})", "choose a writable path") from None
+    except UserError as err:
+        print(err.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    count = sum(v.numel() for v in plain.values() if isinstance(v, torch.Tensor))
+    print(f"exported {ns.key!r} of {path}: {len(plain)} tensors, {count:,} values → {ns.out}")
+    return 0
+
+
+def _serialized(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
