@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.sharded import memory_rows, save_pairs
 from trainer.env import without_placement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,6 +308,7 @@ def render(results: dict[str, Any]) -> str:
     else:
         out.append(f"Dev cluster, 2 nodes: `make submit NODES=2 WAIT=1` {c['make_submit_s']:.1f} s vs a minimal "
                    f"`sbatch --wait` + `srun` job {c['sbatch_srun_s']:.1f} s: **{c['ratio']:.2f}×** (target ≤ 1.2×).")
+    out += sharded_section(results["sharded"])
     out += ["", "## 5. GPU only", ""]
     for key, title in (("dp_vs_ddp", "DataParallel vs DDP"), ("precision", "resnet18 precision and layout")):
         rows = results[key]
@@ -316,6 +318,28 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"- {title}:")
             out += [f"  - {json.dumps(r)}" for r in rows]
     return "\n".join(out) + "\n"
+
+
+def sharded_section(r: dict[str, Any]) -> list[str]:
+    """Rows of section 6: per-rank memory with ddp and fsdp, single-file vs sharded saves."""
+    out = ["", "## 6. Sharded models (FSDP2) and sharded checkpoints", "",
+           "The char LM example's GPT (`benchmarks/sharded.py`), AdamW, after one step; per-rank MiB of what the "
+           "optimizer keeps (exact sizes, not timings; the largest rank):", "",
+           "| strategy | processes | parameters | gradients | optimizer state | total |", "|---|---|---|---|---|---|"]
+    for m in r["memory"]:
+        out.append(f"| {m['strategy']} | {m['processes']} | {m['params']:.1f} | {m['grads']:.1f} | "
+                   f"{m['optimizer']:.1f} | {m['total']:.1f} |")
+    s = r["saves"]
+    out += ["", f"Saving the same state (ddp, 2 processes, {s['pairs'][0]['state_mb']:.1f} MiB): rank 0 writing one "
+            "file (`checkpoint.format=file`) vs every rank writing its share (`dcp`), as interleaved pairs, medians of 3 "
+            "saves each:", "", "| pair | file sync (s) | dcp sync (s) | dcp / file | file async stall (s) | "
+            "dcp async stall (s) |", "|---|---|---|---|---|---|"]
+    for i, p in enumerate(s["pairs"]):
+        out.append(f"| {i + 1} | {p['file_sync_s']:.3f} | {p['dcp_sync_s']:.3f} | {p['sync_ratio']:.2f}× | "
+                   f"{p['file_stall_s']:.3f} | {p['dcp_stall_s']:.3f} |")
+    out += ["", f"dcp / file save time: median **{s['median_sync_ratio']:.2f}×** (min {s['min_sync_ratio']:.2f}, max "
+            f"{s['max_sync_ratio']:.2f})."]
+    return out
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -354,6 +378,8 @@ def main() -> int:
         results["cluster"] = {"skipped": "smoke run"} if a.smoke else cluster_overhead(repeats)
         results["dp_vs_ddp"] = dp_vs_ddp(repeats, size, tmp)
         results["precision"] = precision_rows(repeats, a.smoke)
+        dim, layers = (64, 2) if a.smoke else (256, 4)
+        results["sharded"] = {"memory": memory_rows(dim, layers), "saves": save_pairs(repeats, dim, layers)}
     (a.out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     (a.out / "benchmarks.md").write_text(render(results))
     plot(results, a.out / "benchmarks-scaling.png")

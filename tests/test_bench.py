@@ -19,3 +19,6 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert results["trainer_vs_bare"]["ratio"] > 0 and results["checkpoint"][0]["sync_save_s"] > 0
     assert (tmp_path / "benchmarks-scaling.png").stat().st_size > 1000
     assert "## 2. Trainer vs the tutorials' bare loop" in (tmp_path / "benchmarks.md").read_text()
+    memory = {(m["strategy"], m["processes"]): m["total"] for m in results["sharded"]["memory"]}
+    assert memory[("fsdp", 2)] < 0.6 * memory[("ddp", 2)]  # each rank keeps about half (the split is exact, not timed)
+    assert results["sharded"]["saves"]["pairs"][0]["dcp_sync_s"] > 0

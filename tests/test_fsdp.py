@@ -188,3 +188,22 @@ def test_activation_checkpointing_trains_the_same_model(tmp_path: Path, lm_runs:
     a, b = weights(run), weights(lm_runs["fsdp"])
     assert a.keys() == b.keys()  # the wrappers leave the parameter names alone
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+def test_memory_advice_and_oom_hints_know_about_fsdp() -> None:
+    from trainer.config import load
+    from trainer.env import DistEnv
+    from trainer.oom import out_of_memory
+    from trainer.sharding import memory_advice
+
+    gib80 = 80 * 2**30
+    what, hint = memory_advice(7_000_000_000, "adamw", gib80, "ddp", 8) or ("", "")
+    assert "104.3 GiB per GPU" in what and hint.startswith("dist.strategy=fsdp") and "13.0 GiB each on 8" in hint
+    assert memory_advice(7_000_000_000, "adamw", gib80, "fsdp", 8) is None  # 1/8 each fits
+    assert memory_advice(1_000_000, "sgd", gib80, "ddp", 1) is None
+    assert "more GPUs" in (memory_advice(70_000_000_000, "adamw", gib80, "fsdp", 8) or ("", ""))[1]
+    env = DistEnv(0, 0, 4, 4, 0, 1, "127.0.0.1", 29500, None, "torchrun")
+    err = out_of_memory(RuntimeError("CUDA out of memory"), load([]), env, torch.device("cpu"), 0, setup=True)
+    assert "dist.strategy=fsdp" in err.hint and "1/4" in err.hint
+    err = out_of_memory(RuntimeError("CUDA out of memory"), load(["dist.strategy=fsdp"]), env, torch.device("cpu"), 5)
+    assert "dist.activation_checkpointing=true" in err.hint

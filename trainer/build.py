@@ -80,13 +80,15 @@ BUILTIN_SHAPES = {"synthetic": (1, 0), "mnist": (1, 28), "cifar10": (3, 32), "im
 """(channels, size) of the built-in data sets; size 0: data.image_size."""
 
 
-def check(cfg: Config) -> None:
+def check(cfg: Config) -> int | None:
     """On the submitting machine: resolve every target and build the model and task, without data or memory.
 
     The data factory is resolved and its kwargs checked but not called: its files may exist only on the cluster.
-    The model is built on the meta device: no parameter memory, so any size can be checked anywhere.
+    The model is built on the meta device: no parameter memory, so any size can be checked anywhere. Returns its
+    parameter count (None when it cannot be built there).
     """
     plugins.add_import_paths(cfg.run.python_path)
+    meta_params = None
     if cfg.data.target:
         plugins.prepare(cfg.data.target, cfg.data.kwargs, "data.target", "a (train, eval) pair of data sets")
         channels, size = 3, 32  # a stand-in for built-in models on the user's data (known only on the cluster)
@@ -95,7 +97,8 @@ def check(cfg: Config) -> None:
         size = size or cfg.data.image_size
     try:
         with torch.device("meta"):
-            build_model(cfg.model, channels, size)
+            model = build_model(cfg.model, channels, size)
+        meta_params = sum(p.numel() for p in model.parameters())
     except NotImplementedError:  # an initialiser the meta device cannot run: the job itself will build it
         pass
     except UserError as err:
@@ -103,6 +106,7 @@ def check(cfg: Config) -> None:
             raise
     build_task(cfg)
     record(cfg)
+    return meta_params
 
 
 def load_checked(args: list[str]) -> Config:

@@ -89,6 +89,25 @@ def check_gpus(cfg: Config, env: DistEnv, facts: HostFacts, info: JobInfo) -> Ch
                  f" ({cvd})")
 
 
+def check_model_memory(cfg: Config, env: DistEnv) -> Check:
+    """Whether the model's weights, gradients and optimizer state fit one GPU with this strategy (meta-device count)."""
+    import torch
+
+    if not torch.cuda.is_available() or cfg.train.device == "cpu":
+        return Check("model memory", SKIP, "no GPU")
+    from trainer.build import check as build_check
+    from trainer.sharding import memory_advice
+
+    params = build_check(cfg)
+    if params is None:
+        return Check("model memory", SKIP, "the model cannot be built on the meta device to count its parameters")
+    gpu = torch.cuda.get_device_properties(env.local_rank % torch.cuda.device_count()).total_memory
+    advice = memory_advice(params, cfg.optim.name, gpu, cfg.dist.strategy, env.world_size)
+    if advice:
+        return Check("model memory", FAIL, *advice)
+    return Check("model memory", PASS, f"{params / 1e6:.1f}M parameters fit ({cfg.dist.strategy})")
+
+
 def check_master(env: DistEnv) -> Check:
     """MASTER_ADDR resolves here; on the head node (rank 0) the rendezvous port can be bound."""
     if env.world_size == 1:
@@ -333,7 +352,8 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
     env, facts, info = discover(), host_facts(), job_info()
     host = facts.node
-    checks = [check_versions(), check_gpus(cfg, env, facts, info), check_master(env), check_scontrol(env, facts),
+    checks = [check_versions(), check_gpus(cfg, env, facts, info), check_model_memory(cfg, env), check_master(env),
+              check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
 
     import torch

@@ -168,7 +168,7 @@ class Session:
         self.heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
         self.checkpointer: ckpt.Checkpointer | sharded_ckpt.ShardedCheckpointer = (
             sharded_ckpt.ShardedCheckpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
-                                             self.faults.save_delay_s, self.cfg.checkpoint.async_save)
+                                             self.faults.save_delay_s)
             if self.sharded_checkpoints else
             ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
                               self.faults.save_delay_s, on_write=self.heartbeat.alive))

@@ -77,10 +77,10 @@ class ShardedCheckpointer:
     Asynchronous saves run DCP's own background save on a separate gloo group, one in flight at most; rank 0
     commits it from a thread once the save has finished on every rank."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0,
-                 async_save: bool = False) -> None:
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0) -> None:
         self.folder, self.is_main, self.keep, self.save_delay_s = folder, is_main, keep, save_delay_s
-        self.group = dist.new_group(backend="gloo") if async_save else None  # collective: every rank, same point
+        self.group: Any = None
+        """A gloo group of its own for background saves, so they never share a communicator with training."""
         self._future: Future[Any] | None = None
         self._commit_thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -117,7 +117,9 @@ class ShardedCheckpointer:
             save(sharded, checkpoint_id=str(tmp))
             self._commit_main(tmp, final, step)
         else:
-            self._future = async_save(sharded, checkpoint_id=str(tmp), process_group=self.group)  # type: ignore[arg-type,assignment]
+            if self.group is None:  # collective: every rank makes it in the same (first asynchronous) save
+                self.group = dist.new_group(backend="gloo")
+            self._future = async_save(sharded, checkpoint_id=str(tmp), process_group=self.group)  # type: ignore[assignment]
             if self.is_main:
                 self._commit_thread = threading.Thread(target=self._commit_when_written,
                                                        args=(self._future, tmp, final, step))

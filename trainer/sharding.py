@@ -94,3 +94,22 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         state = sum(size(v) for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
+
+
+STATE_COPIES = {"sgd": 1, "adamw": 2}
+"""Optimizer state per parameter, in parameter-sized tensors (SGD's momentum; Adam's two moments)."""
+
+
+def memory_advice(params: int, optimizer: str, gpu_bytes: int, strategy: str, world: int) -> tuple[str, str] | None:
+    """(what does not fit, what to do) when fp32 parameters + gradients + optimizer state would fill more than 80 %
+    of one GPU with this strategy; None when they fit (activations come on top: this is the floor)."""
+    total = 4 * params * (2 + STATE_COPIES.get(optimizer, 2))
+    per_rank = total if strategy == "ddp" else total / max(1, world)
+    if per_rank <= 0.8 * gpu_bytes:
+        return None
+    what = (f"{params / 1e6:.0f}M parameters need {per_rank / 2**30:.1f} GiB per GPU for weights, gradients and "
+            f"{optimizer} state ({strategy}), of {gpu_bytes / 2**30:.0f} GiB")
+    if strategy == "ddp":
+        return what, (f"dist.strategy=fsdp splits them across the processes: about {total / max(1, world) / 2**30:.1f} "
+                      f"GiB each on {world}; more GPUs lower it further")
+    return what, f"run on more GPUs (each keeps 1/N of it), e.g. {2 * world} processes"
