@@ -26,7 +26,7 @@ SWEEP ?= cluster/sweeps/example.yaml
 SWEEP_DIR ?=
 CONTAINER ?=
 
-.PHONY: help venv train test lint clean submit sweep sweep-status doctor dev-cluster dev-cluster-down sync docker sif bench
+.PHONY: help venv train test lint clean submit sweep sweep-status doctor dev-cluster dev-cluster-down sync docker sif bench report
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -67,6 +67,10 @@ dev-cluster:  ## start a real 2-node Slurm (with accounting) on this machine (ro
 
 dev-cluster-down:  ## stop the dev cluster and remove its state
 	bash slurm/dev-cluster.sh down
+
+RUN ?=
+report: venv  ## a run's report (report.html with plots, goodput): RUN=runs/<id>
+	@$(BIN)/python -m trainer.report '$(RUN)'
 
 RUNS ?= runs
 sync: venv  ## upload offline W&B runs (from a login node with internet): RUNS=runs

@@ -40,9 +40,11 @@ from trainer import sharded as sharded_ckpt
 from trainer.config import Config, load, to_dict, to_yaml
 from trainer.env import discover, job_info
 from trainer.errors import EXIT_REQUEUE
+from trainer.events import EventLog, git_commit, process_start, versions
 from trainer.heartbeat import Heartbeat
 from trainer.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
 from trainer.preemption import Preemption, SavePolicy
+from trainer.report import write_report
 from trainer.resume import Resumed, find
 from trainer.rundir import RunDir
 from trainer.sharding import is_sharded, no_sync, shard
@@ -84,6 +86,9 @@ class Session:
         self.run: RunDir | None = None
         self.last_path: Path | None = None
         self.stall_s = 0.0
+        self.started_at = process_start()
+        self.events = EventLog(None)
+        """Rank 0's event log (events.jsonl), opened with the run folder."""
         """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
         self.model: nn.Module | None = None
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
@@ -182,6 +187,13 @@ class Session:
             self.last_path = self.resumed.path
             run_id = self.resumed.state.get("tracking", {}).get("run_id")
         self.tracker.start({**self.config_dict, **self.extra_config}, run_id)
+        self.events = EventLog(self.run.path if self.env.is_main else None)
+        if self.env.is_main:
+            self.events.emit("attempt", durable=True, started=round(self.started_at, 3), job_id=self.env.job_id,
+                             restart=self.job.restart_count, array_job_id=self.job.array_job_id,
+                             array_task_id=self.job.array_task_id, nodes=self.env.num_nodes,
+                             processes=self.env.world_size, strategy=self.cfg.dist.strategy, resumed_step=self.step,
+                             git=git_commit(Path.cwd()), **versions())
         if self.resumed:
             self.print(f"resumed from {self.resumed.path} at step {self.step}")
         return self.step
@@ -202,6 +214,7 @@ class Session:
             yield step
             self.steps_here += 1
             if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
+                self.events.emit("first_step", step=step)
                 self.heartbeat.start()
 
     def alive(self) -> None:
@@ -219,6 +232,7 @@ class Session:
         if console:
             self.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
         self.tracker.log(values, step)
+        self.events.emit("metrics", step=step, values=values)
 
     def request_stop(self, signum: int = signal.SIGUSR2) -> None:
         """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
@@ -232,6 +246,10 @@ class Session:
         self.request_stop(self.faults.after_step(self.steps_here + 1, self.cfg.checkpoint.signal))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
         signum, due = self.policy.poll(step, force_poll)
+        if force_poll or step % self.cfg.checkpoint.poll_steps == 0:
+            self.events.emit("progress", step=step)
+        if signum and self.preempted_by is None:
+            self.events.emit("signal", durable=True, step=step, signal=signal.Signals(signum).name)
         if signum:
             self.preempted_by = signal.Signals(signum)
         return due or bool(signum)
@@ -262,6 +280,8 @@ class Session:
         self.stall_s += time.perf_counter() - started  # training waited this long (the copy, for async saves)
         self.saved_step, self.last_path = step, path
         self.policy.saved()
+        self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
+                         blocking=blocking, path=str(path))
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
@@ -278,6 +298,7 @@ class Session:
             torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
             self.print(f"\n{self.preempted_by.name} received: saved {path} at step {self.step}; "
                        f"exiting with {EXIT_REQUEUE} so the launcher requeues")
+            self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
         summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
@@ -286,8 +307,10 @@ class Session:
                    "strategy": self.cfg.dist.strategy, **(result or {})}
         self.summary = summary
         run.write_result(summary)
+        self.events.emit("exit", durable=True, code=0, step=self.step)
+        goodput = write_report(run.path, self.print) if self.env.is_main else {}
         self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
-                            | {"global_step": self.step})
+                            | {"global_step": self.step} | goodput)
         return 0
 
     # ---- teardown ----------------------------------------------------------------------------
@@ -303,6 +326,7 @@ class Session:
         finally:
             for loader in self.loaders:
                 shutdown_workers(loader)
+            self.events.close()
             self.preemption.restore()
             tdist.teardown()
 
@@ -310,5 +334,8 @@ class Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None:  # the loop raised: the report shows how the attempt ended
+            code = exc.code if isinstance(exc, SystemExit) else 1
+            self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__)
         self.close()
 

@@ -1,0 +1,108 @@
+"""The event log and the run report: attempts, lost work and goodput after a preemption and a SIGKILL; real plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from trainer.events import read
+from trainer.report import attempts, figures
+
+from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
+
+ARGS = [*SMALL, "train.epochs=2", "checkpoint.poll_steps=1", "checkpoint.every_steps=5", "train.log_every=4"]
+
+
+def _progress(run: Path) -> tuple[int, int]:
+    """(last step reached, last checkpointed step) of the attempt now running, from its events."""
+    events = list(read(run))
+    start = max(i for i, e in enumerate(events) if e["event"] == "attempt")
+    steps = [e["step"] for e in events[start:] if e["event"] == "progress"]
+    saved = [e["step"] for e in events[start:] if e["event"] == "checkpoint"]
+    return (max(steps) if steps else 0), (max(saved) if saved else 0)
+
+
+@pytest.fixture(scope="module")
+def three_attempts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Preempted by a signal at step 6, SIGKILLed some steps after a checkpoint, then run to the end."""
+    tmp = tmp_path_factory.mktemp("report")
+    run = tmp / "run"
+    args = [*ARGS, f"run.dir={run}"]
+    first = run_trainer(args, tmp, env=faults(preempt_at_step=5))
+    assert first.returncode == 75, first.stdout + first.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp, env=clean_env(faults(step_delay_s=0.15)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:  # past a checkpoint of this attempt by 3 steps: those 3 are lost to the kill
+        reached, saved = _progress(run)
+        if saved > 6 and reached >= saved + 3:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, (reached, saved)
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    ok(run_trainer(args, tmp))
+    return run
+
+
+def test_the_report_lists_the_attempts_lost_work_and_goodput(three_attempts: Path) -> None:
+    runs = attempts(three_attempts)
+    assert len(runs) == 3
+    f = figures(runs)
+    rows = f["attempts"]
+    assert [r["exit"] for r in rows] == [75, "killed", 0]
+    assert [r["resumed_step"] for r in rows][:2] == [0, 6]
+    # Lost work: the steps the killed attempt made after its last checkpoint, which the third one made again.
+    killed = runs[1]
+    last_saved = max(e["step"] for e in killed.times("checkpoint"))
+    assert rows[2]["resumed_step"] == last_saved
+    assert rows[1]["lost_steps"] == killed.last_step - last_saved >= 3
+    assert rows[0]["lost_steps"] == 0  # the signal's save kept every step
+    # Goodput, recomputed from the raw events: (training − stalls − lost) / lifetime, summed over attempts.
+    alloc = sum(a.end - a.start for a in runs)
+    useful = 0.0
+    for i, a in enumerate(runs):
+        training = a.end - (a.first_step_t or a.end)
+        done = a.last_step - int(a.info["resumed_step"])
+        lost = rows[i]["lost_steps"] * (training / done if done else 0)
+        useful += training - sum(e["stall_s"] for e in a.times("checkpoint")) - lost
+    assert f["goodput"] == pytest.approx(useful / alloc) and 0 < f["goodput"] < 1
+    assert result_of(three_attempts)["global_step"] == 64
+
+
+def test_a_sigkilled_attempt_leaves_only_whole_lines(three_attempts: Path) -> None:
+    lines = (three_attempts / "events.jsonl").read_text().splitlines()
+    assert all(isinstance(json.loads(line), dict) for line in lines)
+    assert sum(json.loads(line)["event"] == "attempt" for line in lines) == 3
+
+
+def test_the_report_is_one_offline_page_with_real_plots(three_attempts: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainer.report", str(three_attempts)], capture_output=True,
+                          text=True, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "goodput" in proc.stdout and proc.stdout.count("\n") >= 5  # header, 3 attempts, totals
+    page = (three_attempts / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert "http://" not in page and "https://" not in page and "<script" not in page and "<link" not in page
+    for name in ("loss", "throughput", "timeline"):
+        png = three_attempts / f"report-{name}.png"
+        assert png.stat().st_size > 5000
+        pixels = matplotlib.image.imread(png)
+        assert pixels.shape[0] > 150 and pixels.shape[1] > 300 and pixels.std() > 0.01  # decodes, not blank
+    bad = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path)], capture_output=True, text=True,
+                         env=clean_env())
+    assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
+
+
+def test_every_finished_run_writes_its_report(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path))
+    assert f"report: {run / 'report.html'}" in proc.stdout and "goodput" in proc.stdout
+    kinds = [e["event"] for e in read(run)]
+    assert kinds[0] == "attempt" and kinds[-1] == "exit" and "first_step" in kinds and "checkpoint" in kinds
