@@ -130,13 +130,17 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
     return [f'{srun} {py} -m trainer.launch {words} "$@"']
 
 
-def requeue_rule(p: Profile) -> list[str]:
+def requeue_rule(p: Profile, report: str | None = None) -> list[str]:
     """The requeue rule, the one copy for every launcher (sbatch scripts, submitit's teardown): after the tasks
     ended with ``$rc``, requeue when they saved after a signal, at most ``max_requeues`` times. Requeueing happens
-    here, in the batch shell, outside any container."""
+    here, in the batch shell, outside any container. ``report``: the host's python, to write a command's run report
+    (the session API writes its own)."""
     return [
         f"# Exit {EXIT_REQUEUE}, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report",
         "# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).",
+        'job_event job_end ", \\"code\\": $rc"',
+        *([f'{report} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
+          if report else []),
         f'if [[ $rc -eq {EXIT_REQUEUE} || -f "$RUN_DIR/requeue.json" ]]; then',
         f"  if (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then",
         '    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
@@ -157,6 +161,13 @@ def run_dir_lines(default: str) -> list[str]:
         f"export RUN_DIR=${{RUN_DIR:-{default}}}",
         'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
         'rm -f "$RUN_DIR/requeue.json"',
+        "# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.",
+        "job_event() {",
+        '  printf \'{"t": %s, "event": "%s", "job_id": "%s", "restart": %s, "nodes": %s%s}\\n\' "$(date +%s.%N)" "$1" \\',
+        '    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \\',
+        '    >> "$RUN_DIR/events.jsonl" || true',
+        "}",
+        "job_event job_start",
     ]
 
 
@@ -199,4 +210,5 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
     else:
         lines += doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False))
         launch = command_line(p, python, command)
-    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *requeue_rule(p)]) + "\n"
+    report = shlex.quote(python) if command is not None and p.container.runtime == "none" else None
+    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *requeue_rule(p, report)]) + "\n"

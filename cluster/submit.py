@@ -38,7 +38,7 @@ def sbatch_script(p: Profile, args: list[str], command: Command | None = None) -
                          run_dir=run_dir, command=command)
 
 
-def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None) -> Any:
+def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None, command: bool = False) -> Any:
     """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given; ``args``:
     the training overrides, which the optional preflight doctor checks with)."""
     import submitit
@@ -52,7 +52,8 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
     setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID")
-    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)", *requeue_rule(p)]
+    report = shlex.quote(python_for(p)) if command and not inside else None
+    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)", *requeue_rule(p, report)]
     py = "python3" if inside else shlex.quote(python_for(p))
     doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
     doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0]) + ' run.dir="$RUN_DIR"'
@@ -99,7 +100,7 @@ def renderable() -> Iterator[None]:
 def submitit_script(p: Profile, args: list[str], command: Command | None = None) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
     with renderable():
-        inner = (executor(p, split_run_dir(args)[1], args) if command is None else executor(p))._executor
+        inner = (executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True))._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
@@ -183,7 +184,7 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
 
 
 def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
-    ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p)
+    ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
     task: TrainTask | CommandTask = (
         TrainTask(["checkpoint.signal=SIGUSR2", *args]) if command is None
         else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))

@@ -372,7 +372,7 @@ def sweep_profile(spec: SweepSpec, sets: dict[str, object], sweep_dir: Path) -> 
 def sweep_executor(p: Profile, spec: SweepSpec, sweep_dir: Path) -> Any:
     """The profile's submitit executor with the array throttle (``#SBATCH --array=0-N%max_parallel``); an optional
     preflight doctor checks the trials' folder and the spec's fixed args."""
-    ex = executor(p, None, [] if spec.command is not None else spec.args)
+    ex = executor(p, None, [] if spec.command is not None else spec.args, command=spec.command is not None)
     ex.update_parameters(slurm_array_parallelism=spec.max_parallel)
     return ex
 

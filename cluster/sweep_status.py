@@ -65,6 +65,7 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
               file=sys.stderr)
         return 130
     print(format_status(sweep_dir, rows))
+    page(sweep_dir, rows)
     data = _read_sweep(sweep_dir)
     failed = [r for r in rows if r.state != "done"]
     for r in sorted(failed, key=lambda r: r.index):
@@ -205,5 +206,17 @@ def newest_sweep(root: Path) -> Path:
 def show_status(sweep_dir: str | None) -> int:
     """``python -m cluster sweep-status``: print the table of one sweep (default: the newest)."""
     folder = Path(sweep_dir) if sweep_dir else newest_sweep(Path.cwd())
-    print(format_status(folder, status(folder)))
+    rows = status(folder)
+    print(format_status(folder, rows))
+    page(folder, rows)
     return 0
+
+
+def page(sweep_dir: Path, rows: list[Row]) -> None:
+    """sweep.html and sweep.png (cluster/sweep_report.py); a plotting problem costs a note, not the status."""
+    from cluster import sweep_report
+
+    try:
+        print(f"report: {sweep_report.write(sweep_dir, _read_sweep(sweep_dir), rows)}")
+    except Exception as exc:
+        print(f"note: no sweep report ({type(exc).__name__}: {exc})", file=sys.stderr)

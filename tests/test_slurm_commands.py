@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.env import expand_nodelist
+from trainer.report import attempts, figures
 
 from .conftest import ROOT, faults, ok, result_of, run_trainer
 from .test_session import CHAR_LM, last_weights, same
@@ -28,8 +29,9 @@ def test_a_plain_ddp_script_runs_on_two_nodes(slurm_env: dict[str, str], tmp_pat
                                               launch: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
+    run = tmp_path / "run"
     proc = cluster_cmd(["--launcher", launcher, "--wait", "--set", f"launch={launch}", "--set", "doctor=true",
-                        "--", "python", str(PLAIN), *ODD], {**slurm_env, "OUT_DIR": str(out)})
+                        "--", "python", str(PLAIN), *ODD], {**slurm_env, "OUT_DIR": str(out), "RUN_DIR": str(run)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [x["rank"] for x in lines] == [0, 1] and {x["world_size"] for x in lines} == {2}
@@ -41,6 +43,11 @@ def test_a_plain_ddp_script_runs_on_two_nodes(slurm_env: dict[str, str], tmp_pat
     if launcher == "sbatch":  # the preflight doctor ran first, launched like the command
         log = ROOT / re.search(r"log:\s+(\S+)", proc.stdout).group(1)  # type: ignore[union-attr]
         assert "doctor: all checks passed" in log.read_text()
+    # A command without the session API: its report holds what the batch script saw (one attempt, exit 0).
+    # (submitit's client returns on the task's result; the batch shell's teardown may still be writing it)
+    wait_for(lambda: (run / "report.html").exists(), timeout=60, what="the report")
+    (only,) = attempts(run)
+    assert only.exit_code == 0 and only.info["nodes"] == 2
 
 
 LM = ["--max-steps", "40", "--eval-every", "1000", "--max-bytes", "40000", "--batch-size", "8", "--sample", "0",
@@ -71,6 +78,19 @@ def test_the_char_lm_submitted_as_a_command_survives_two_preemptions_bit_identic
     states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
     assert len(states) == 3, states  # two requeues: three attempts
     assert _log_count(log, "resumed from") == 2
+    # The run report: 3 attempts in order; a signal's save keeps every step (no lost work); goodput below 1 and as
+    # the event log's own arithmetic gives it.
+    runs = attempts(run)
+    f = figures(runs)
+    assert [r["exit"] for r in f["attempts"]] == [75, 75, 0] and [r["restart"] for r in f["attempts"]] == [0, 1, 2]
+    for i, a in enumerate(runs[:-1]):
+        saved = max(e["step"] for e in a.times("checkpoint"))
+        signalled = a.times("signal")[0]["step"]
+        assert f["attempts"][i]["lost_steps"] == a.last_step - saved == 0 and saved == signalled
+        assert runs[i + 1].info["resumed_step"] == saved
+    alloc = sum(a.end - a.start for a in runs) * 2  # two nodes
+    assert 0 < f["goodput"] < 1 and f["allocated_node_s"] == pytest.approx(alloc)
+    assert (run / "report.html").exists() and (run / "report-timeline.png").stat().st_size > 5000
     ref = tmp_path / "ref"
     ok(run_trainer([*LM, f"run.dir={ref}"], tmp_path, nproc=2, script=CHAR_LM))
     assert result_of(run)["global_step"] == result_of(ref)["global_step"] == 40

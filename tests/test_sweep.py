@@ -483,3 +483,19 @@ parameters:
     first, second = (json.loads((folder / "trials" / str(i) / "result.json").read_text()) for i in (0, 1))
     assert first["resumed_from"] and "trials/0/checkpoints/step_" in first["resumed_from"]
     assert second["resumed_from"] is None and first["global_step"] == second["global_step"]
+
+
+def test_sweep_status_writes_a_page_with_the_metric_by_parameter_and_links_to_trial_reports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import matplotlib.image
+
+    folder = fake_sweep(tmp_path, "min", {0: 0.5, 1: 0.9, 2: 0.25})
+    (folder / "trials" / "1" / "report.html").write_text("<html></html>")
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {})
+    assert cluster_main(["sweep-status", str(folder)]) == 0
+    assert f"report: {folder / 'sweep.html'}" in capsys.readouterr().out
+    page = (folder / "sweep.html").read_text()
+    assert page.count('href="trials/1/report.html"') == 1 and page.count(">report<") == 1
+    assert "data:image/png;base64," in page and "http" not in page
+    pixels = matplotlib.image.imread(folder / "sweep.png")
+    assert pixels.shape[1] > 200 and pixels.std() > 0.01

@@ -40,8 +40,9 @@ class Attempt:
 
     @property
     def exit_code(self) -> Any:
-        exits = self.times("exit")
-        return exits[-1]["code"] if exits else "killed"
+        """The loop's exit code, else the batch script's view of the tasks' (job_end), else "killed"."""
+        exits = self.times("exit") or self.times("job_end")
+        return exits[0]["code"] if exits else "killed"
 
     @property
     def first_step_t(self) -> float | None:
@@ -59,11 +60,21 @@ class Attempt:
 
 
 def attempts(run_dir: Path) -> list[Attempt]:
-    """The run's attempts in order, each with its events."""
+    """The run's attempts in order, each with its events: the session's (``attempt``), or for a command that does
+    not use it, the batch script's (``job_start``/``job_end``). An attempt starts when its batch script did, if known."""
+    events = list(read(run_dir))
+    session = any(e["event"] == "attempt" for e in events)
     out: list[Attempt] = []
-    for e in read(run_dir):
-        if e["event"] == "attempt":
-            out.append(Attempt(float(e.get("started", e["t"])), e))
+    batch_start: float | None = None
+    for e in events:
+        if e["event"] == "job_start":
+            batch_start = e["t"]
+            if not session:
+                out.append(Attempt(e["t"], {**e, "resumed_step": None}))
+        elif e["event"] == "attempt":
+            started = float(e.get("started", e["t"]))
+            out.append(Attempt(min(started, batch_start) if batch_start else started, e))
+            batch_start = None
         elif out:
             out[-1].events.append(e)
     return out

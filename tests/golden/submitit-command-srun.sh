@@ -19,6 +19,13 @@ export OMP_NUM_THREADS=1
 export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
 rm -f "$RUN_DIR/requeue.json"
+# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
+job_event() {
+  printf '{"t": %s, "event": "%s", "job_id": "%s", "restart": %s, "nodes": %s%s}\n' "$(date +%s.%N)" "$1" \
+    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \
+    >> "$RUN_DIR/events.jsonl" || true
+}
+job_event job_start
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 <python> -m trainer.doctor run.dir="$RUN_DIR" \
@@ -34,6 +41,8 @@ srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/
 rc=$?  # the tasks' exit code (srun's, the line above)
 # Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
 # another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
+job_event job_end ", \"code\": $rc"
+<python> -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them
 if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
   if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
     echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
