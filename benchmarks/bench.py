@@ -308,7 +308,6 @@ def render(results: dict[str, Any]) -> str:
     else:
         out.append(f"Dev cluster, 2 nodes: `make submit NODES=2 WAIT=1` {c['make_submit_s']:.1f} s vs a minimal "
                    f"`sbatch --wait` + `srun` job {c['sbatch_srun_s']:.1f} s: **{c['ratio']:.2f}×** (target ≤ 1.2×).")
-    out += sharded_section(results["sharded"])
     out += ["", "## 5. GPU only", ""]
     for key, title in (("dp_vs_ddp", "DataParallel vs DDP"), ("precision", "resnet18 precision and layout")):
         rows = results[key]
@@ -317,6 +316,7 @@ def render(results: dict[str, Any]) -> str:
         else:
             out.append(f"- {title}:")
             out += [f"  - {json.dumps(r)}" for r in rows]
+    out += sharded_section(results["sharded"])
     return "\n".join(out) + "\n"
 
 

@@ -67,7 +67,16 @@ def test_fsdp_preempted_at_a_random_step_resumes_bit_identically(tmp_path: Path,
     assert same(weights(run), weights(lm_runs["fsdp"])), f"preempted after step {at + 1}: weights differ"
 
 
-def test_sigkill_in_the_middle_of_a_sharded_save_resumes_from_the_previous_step(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def every4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in trainer with fsdp, 2 processes, a synchronous sharded save every 4 steps, uninterrupted."""
+    base = tmp_path_factory.mktemp("every4")
+    ok(run_trainer([*BUILTIN, "checkpoint.every_steps=4", "checkpoint.keep=20", f"run.dir={base / 'run'}"], base,
+                   nproc=2))
+    return base / "run"
+
+
+def test_sigkill_in_the_middle_of_a_sharded_save_resumes_from_the_previous_step(tmp_path: Path, every4: Path) -> None:
     run = tmp_path / "run"
     args = [*BUILTIN, f"run.dir={run}", "checkpoint.every_steps=4"]
     ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=8))
@@ -84,8 +93,7 @@ def test_sigkill_in_the_middle_of_a_sharded_save_resumes_from_the_previous_step(
     resumed = ok(run_trainer(args, tmp_path, nproc=2))
     assert f"resumed from {folder / 'step_00000004'} at step 4" in resumed.stdout
     assert not list(folder.glob(".*.tmp")) and result_of(run)["global_step"] == 16
-    ok(run_trainer([*BUILTIN, f"run.dir={tmp_path / 'ref'}", "checkpoint.every_steps=4"], tmp_path, nproc=2))
-    assert same(weights(run), weights(tmp_path / "ref"))
+    assert same(weights(run), weights(every4))
 
 
 RESHARD = ROOT / "tests" / "scripts" / "reshard_check.py"
@@ -143,11 +151,10 @@ def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: P
     assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
 
 
-def test_async_sharded_saves_commit_the_same_state_as_sync_ones(tmp_path: Path) -> None:
+def test_async_sharded_saves_commit_the_same_state_as_sync_ones(tmp_path: Path, every4: Path) -> None:
     args = [*BUILTIN, "checkpoint.every_steps=4", "checkpoint.keep=20"]
-    ok(run_trainer([*args, f"run.dir={tmp_path / 'sync'}"], tmp_path, nproc=2))
     ok(run_trainer([*args, f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true"], tmp_path, nproc=2))
-    s, a = ckpt.committed(tmp_path / "sync" / "checkpoints"), ckpt.committed(tmp_path / "async" / "checkpoints")
+    s, a = ckpt.committed(every4 / "checkpoints"), ckpt.committed(tmp_path / "async" / "checkpoints")
     assert [m.name for m in s] == [m.name for m in a] and len(a) == 4  # 16 steps, every 4
     for ms, ma in zip(s, a, strict=True):
         assert same(consolidated(ms.with_suffix(""))[1], consolidated(ma.with_suffix(""))[1]), ma
