@@ -15,6 +15,8 @@ from trainer.events import read
 from trainer.report import attempts, figures
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
+from .test_tracking import run_files
+from .wandb_records import summary
 
 ARGS = [*SMALL, "train.epochs=2", "checkpoint.poll_steps=1", "checkpoint.every_steps=5", "train.log_every=4"]
 
@@ -100,9 +102,16 @@ def test_the_report_is_one_offline_page_with_real_plots(three_attempts: Path, tm
     assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
 
 
-def test_every_finished_run_writes_its_report(tmp_path: Path) -> None:
+def test_every_finished_run_writes_its_report_and_gives_wandb_its_goodput(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path))
+    args = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline"]
+    proc = ok(run_trainer([*args, f"run.dir={run}"], tmp_path))
     assert f"report: {run / 'report.html'}" in proc.stdout and "goodput" in proc.stdout
-    kinds = [e["event"] for e in read(run)]
-    assert kinds[0] == "attempt" and kinds[-1] == "exit" and "first_step" in kinds and "checkpoint" in kinds
+    events = list(read(run))
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "attempt" and kinds[-1] == "exit" and "first_step" in kinds
+    (saved,) = [e for e in events if e["event"] == "checkpoint"]
+    assert saved["bytes"] == Path(saved["path"]).stat().st_size and saved["stall_s"] > 0
+    (wandb_file,) = run_files(run)
+    final = summary(wandb_file)["summary"]
+    assert final["goodput"] == pytest.approx(figures(attempts(run))["goodput"], rel=0.05) and 0 < final["goodput"] < 1

@@ -2,8 +2,9 @@
 
 Written next to the log (``report.html``, ``report-*.png``; the HTML embeds the plots, no network needed) at the
 end of every run, and on demand (``make report RUN=…``). Goodput is productive node-time over allocated node-time:
-allocated is each attempt's process lifetime × nodes; productive is its training time less checkpoint stalls and
-less the steps the next attempt had to compute again (those after the last checkpoint it resumed from).
+allocated is each attempt's lifetime (from its batch script's start when known, else its process's) × nodes;
+productive is its training time less checkpoint stalls and less the steps the next attempt had to compute again
+(those after the last checkpoint it resumed from). ``gap_before_s``: time between attempts (queued, restarting).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
             "stall_s": sum(r["stall_s"] for r in rows)}
 
 
-COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("exit", "{}"), ("resumed_step", "{}"), ("last_step", "{}"),
+COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("exit", "{}"), ("gap_before_s", "{:.1f}"), ("resumed_step", "{}"),
+           ("last_step", "{}"),
            ("allocated_s", "{:.1f}"), ("startup_s", "{:.1f}"), ("training_s", "{:.1f}"), ("stall_s", "{:.2f}"),
            ("lost_steps", "{}"), ("productive_s", "{:.1f}"))
 

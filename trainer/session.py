@@ -280,8 +280,11 @@ class Session:
         self.stall_s += time.perf_counter() - started  # training waited this long (the copy, for async saves)
         self.saved_step, self.last_path = step, path
         self.policy.saved()
-        self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
-                         blocking=blocking, path=str(path))
+        if self.env.is_main:  # a background save's size is not known yet: its time is the stall
+            size = None if not blocking else sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else \
+                path.stat().st_size
+            self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
+                             blocking=blocking, bytes=size, path=str(path))
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
