@@ -67,3 +67,31 @@ def test_uneven_test_shards_with_buffers_do_not_hang(tmp_path: Path) -> None:
     ok(run_trainer([*SMALL, "model.name=resnet18", "data.synthetic_train_size=128", "data.synthetic_test_size=257",
                     "dist.timeout_s=60", f"run.dir={run}"], tmp_path, nproc=2, timeout=300))
     assert result_of(run)["world_size"] == 2
+
+
+def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> None:
+    """Another process listens on MASTER_PORT (a second job on the node): rank 0 cannot serve the rendezvous, the
+    others reach a stranger. Each says MASTER_PORT with a HINT and exits 2; none ends in a traceback."""
+    import socket
+    import time
+
+    from .conftest import free_port, spawn_ranks
+
+    port = free_port()
+    stranger = socket.socket()
+    stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    stranger.bind(("", port))
+    stranger.listen(8)  # accepts connections into its backlog, never answers
+    try:
+        ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=20"], tmp_path,
+                            env={"MASTER_PORT": str(port)})
+        out0 = ranks[0].communicate(timeout=120)[0]
+        assert ranks[0].returncode == 2, out0
+        assert f"error: MASTER_PORT: rank 0: the rendezvous at 127.0.0.1:{port} failed" in out0 and "HINT:" in out0
+        time.sleep(1)
+    finally:
+        stranger.close()  # as when the other job ends (or srun kills this one's tasks after rank 0's exit)
+    out1 = ranks[1].communicate(timeout=120)[0]
+    assert ranks[1].returncode == 2, out1
+    assert "error: MASTER_PORT: rank 1:" in out1 and "HINT:" in out1 and "Traceback" not in out0 + out1
+    assert not (tmp_path / "run").exists()

@@ -56,15 +56,31 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
     resolve_master(env)  # without this check the rendezvous retries an unknown host for many minutes
+    if env.rank == 0 and not env.agent:  # rank 0 will listen on MASTER_PORT: taken means another job has it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", env.master_port))
+            except OSError as exc:
+                raise _port_error(env, f"cannot listen on it ({exc.strerror})") from None
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device if backend == "nccl" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError: refused, reset, timed out
+        raise _port_error(env, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]) from None
+
+
+def _port_error(env: DistEnv, what: str) -> UserError:
+    return UserError("MASTER_PORT", f"rank {env.rank}: the rendezvous at {env.master_addr}:{env.master_port} failed: "
+                     f"{what}", f"another process on {env.master_addr} may hold port {env.master_port} (two jobs on "
+                     "one node with the same MASTER_PORT?): unset MASTER_PORT to derive one from the job id, or set "
+                     "a free one (15000-29999); if rank 0 died first, its own error is the cause")
 
 
 def barrier() -> None:
