@@ -95,3 +95,15 @@ def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> 
     assert ranks[1].returncode == 2, out1
     assert "error: MASTER_PORT: rank 1:" in out1 and "HINT:" in out1 and "Traceback" not in out0 + out1
     assert not (tmp_path / "run").exists()
+
+
+def test_the_same_master_port_right_after_another_run_is_no_error(tmp_path: Path) -> None:
+    """The port a finished run used serves the next one (a requeued attempt, or training after the doctor)."""
+    from .conftest import free_port, spawn_ranks
+
+    port = str(free_port())
+    for i in range(2):
+        ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / str(i)}", "train.epochs=1", "data.synthetic_train_size=256"],
+                            tmp_path, env={"MASTER_PORT": port})
+        outs = [p.communicate(timeout=120)[0] for p in ranks]
+        assert [p.returncode for p in ranks] == [0, 0], outs

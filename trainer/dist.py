@@ -58,6 +58,9 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
     resolve_master(env)  # without this check the rendezvous retries an unknown host for many minutes
     if env.rank == 0 and not env.agent:  # rank 0 will listen on MASTER_PORT: taken means another job has it
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the store's own socket: connections of an earlier rendezvous on this port (the doctor's, a previous
+            # attempt's) linger in TIME_WAIT and must not count; a listening socket still does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("", env.master_port))
             except OSError as exc:
