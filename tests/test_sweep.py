@@ -457,7 +457,10 @@ def test_grid_sweep_runs_as_one_throttled_array_on_the_dev_cluster(slurm_env: di
     assert [int(r[0]) for r in rows] == ranked
     assert [float(r[4]) for r in rows] == [round(results[i], 4) for i in ranked]
     assert [(float(r[1]), int(r[2])) for r in rows] == [expected[i] for i in ranked]
-    assert lines[-1].endswith(str(folder / "trials" / str(ranked[0])))
+    assert lines[-2].endswith(str(folder / "trials" / str(ranked[0])))  # best: …
+    assert lines[-1] == f"report: {folder / 'sweep.html'}" and (folder / "sweep.png").stat().st_size > 5000
+    page = (folder / "sweep.html").read_text()
+    assert all(f'href="trials/{i}/report.html"' in page for i in range(4))  # every trial's own run report
 
 
 def test_a_preempted_trial_requeues_and_resumes_on_its_own(slurm_env: dict[str, str], tmp_path: Path) -> None:
