@@ -115,3 +115,19 @@ def test_every_finished_run_writes_its_report_and_gives_wandb_its_goodput(tmp_pa
     (wandb_file,) = run_files(run)
     final = summary(wandb_file)["summary"]
     assert final["goodput"] == pytest.approx(figures(attempts(run))["goodput"], rel=0.05) and 0 < final["goodput"] < 1
+
+
+def test_without_matplotlib_the_report_is_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer import report
+
+    events = [{"t": 10.0, "event": "attempt", "started": 9.0, "nodes": 1, "resumed_step": 0},
+              {"t": 12.0, "event": "first_step", "step": 1}, {"t": 20.0, "event": "exit", "code": 0, "step": 9}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    def no_plots(*args: object) -> None:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report, "plots", no_plots)
+    path, table = report.render(tmp_path)
+    assert "goodput 72.7 %" in table  # (20 - 12) training of (20 - 9) allocated seconds
+    assert "<table>" in path.read_text() and "data:image" not in path.read_text()
