@@ -188,6 +188,12 @@ def _save(fig: Any, path: Path) -> Path:
 
 def render(run_dir: Path) -> tuple[Path, str]:
     """Write report.html and the PNGs into ``run_dir``; return the HTML path and the terminal summary."""
+    path, f = _render(run_dir)
+    return path, table(f)
+
+
+def _render(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """:func:`render`, returning the figures (read from the log once) instead of their table."""
     runs = attempts(run_dir)
     if not runs:
         raise ValueError(f"no {EVENTS} with an attempt in {run_dir}")
@@ -213,15 +219,14 @@ def render(run_dir: Path) -> tuple[Path, str]:
             "<table><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + f"</tr>{rows}</table>{imgs}")
     out = run_dir / "report.html"
     out.write_text(page)
-    return out, table(f)
+    return out, f
 
 
 def write_report(run_dir: Path, say: Callable[[str], None]) -> dict[str, float]:
     """At the end of a run (rank 0): the report, or one line saying why not; never fails the run. Returns the
     goodput figures for the W&B summary."""
     try:
-        path, _ = render(run_dir)
-        f = figures(attempts(run_dir))
+        path, f = _render(run_dir)
         say(f"report: {path} (goodput {100 * f['goodput']:.1f} %)")
         return {"goodput": f["goodput"], "productive_node_s": f["productive_node_s"],
                 "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"]}
