@@ -1,7 +1,7 @@
 """Checkpoints that only count once committed: rank 0 writes, every rank waits.
 
-Commit protocol for ``step_<N>``: temp file → flush + fsync → ``os.replace`` → fsync folder →
-manifest ``step_<N>.json`` (size, XXH3 hash, step, epoch) written the same way → ``latest`` pointer.
+Commit protocol for ``step_<N>``: temp file → flush + fsync → ``os.replace`` → manifest ``step_<N>.json`` (size,
+XXH3 hash, step) → flush + fsync → ``os.replace`` → fsync folder (both renames) → ``latest`` pointer → prune.
 A ``.pt`` file without its manifest is an unfinished save and is never loaded.
 """
 
@@ -81,10 +81,11 @@ class _Sink:
 
 
 def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
-                on_write: Callable[[], None] | None = None) -> tuple[int, str]:
+                on_write: Callable[[], None] | None = None, sync_dir: bool = True) -> tuple[int, str]:
     """torch.save ``obj`` to ``path`` atomically (temp file, fsync, rename, fsync folder); return (size, XXH3-64).
 
-    ``on_write`` is called before each chunk: a sign of life for the hang watchdog."""
+    ``on_write`` is called before each chunk: a sign of life for the hang watchdog. ``sync_dir=False`` leaves the
+    folder's fsync to the caller, when a later write in the same folder (a manifest) fsyncs it anyway."""
     tmp = tmp_path(path)
     with open(tmp, "wb") as f:
         sink = _Sink(f, delay_s, on_write)
@@ -92,7 +93,8 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
     return sink.size, sink.hash.hexdigest()
 
 
@@ -161,9 +163,11 @@ class Checkpointer:
                     self._thread.start()
             except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait at a barrier
                 status[0] = f"{type(exc).__name__}: {exc}"
-                dist.broadcast_object_list(status, src=0)
+                if dist.get_world_size() > 1:
+                    dist.broadcast_object_list(status, src=0)
                 raise
-        dist.broadcast_object_list(status, src=0)  # also the barrier: nobody runs ahead of the commit
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(status, src=0)  # also the barrier: nobody runs ahead of the commit
         if status[0] is not None:
             raise RuntimeError(f"checkpoint save failed on rank 0: {status[0]}")
         self.last_path = path
@@ -187,7 +191,9 @@ class Checkpointer:
     def _commit(self, state: dict[str, Any], path: Path, step: int) -> None:
         for stale in self.folder.glob(".*.tmp"):  # leftovers of a save killed half-way
             stale.unlink(missing_ok=True)
-        size, digest = save_atomic(path, state, self.save_delay_s, self.on_write)
+        # The manifest's own folder fsync makes both renames durable: one fsync of the folder, not two. Should a
+        # crash keep the manifest but not the renamed file, the manifest fails verification and an older one is used.
+        size, digest = save_atomic(path, state, self.save_delay_s, self.on_write, sync_dir=False)
         manifest = {
             "file": path.name,
             "size": size,

@@ -15,6 +15,8 @@ from trainer.config import Config
 from trainer.env import DistEnv
 from trainer.errors import UserError
 
+_HOST_GROUP: Any = None
+
 
 def pick_device(env: DistEnv, want: str) -> torch.device:
     """``cuda:LOCAL_RANK`` (or the one GPU this task sees) when CUDA is there and wanted, else the CPU."""
@@ -45,6 +47,7 @@ def resolve_master(env: DistEnv) -> str:
 
 def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
     """Join the process group of all ranks; a lone process gets an in-memory group (no port needed)."""
+    global _HOST_GROUP
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend", "nccl needs CUDA devices", "use dist.backend=gloo (or auto) on the CPU")
@@ -55,6 +58,18 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
+    _join(env, backend, timeout, device)
+    # Collective: every rank makes it here, in the same order. gloo's default group already works on host tensors.
+    _HOST_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+
+def host_group() -> Any:
+    """The group for small agreements between ranks on host tensors (flags): reading its answer never waits for the
+    GPU's queued work, as reading a device tensor would. ``None`` (the default group) under gloo."""
+    return _HOST_GROUP
+
+
+def _join(env: DistEnv, backend: str, timeout: timedelta, device: torch.device) -> None:
     resolve_master(env)  # without this check the rendezvous retries an unknown host for many minutes
     if env.rank == 0 and not env.agent:  # rank 0 will listen on MASTER_PORT: taken means another job has it
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -93,6 +108,8 @@ def barrier() -> None:
 
 def teardown() -> None:
     """Leave the process group (safe to call when none was made)."""
+    global _HOST_GROUP
+    _HOST_GROUP = None
     if dist.is_available() and dist.is_initialized():
         gloo = dist.get_backend() == "gloo" and dist.get_world_size() > 1
         dist.destroy_process_group()
@@ -133,6 +150,8 @@ def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
 
 def gather(obj: Any) -> list[Any]:
     """Every rank's object, in rank order, on every rank."""
+    if dist.get_world_size() == 1:  # no pickling round trip for one process
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

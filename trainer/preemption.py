@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import CheckpointConfig
+from trainer.dist import host_group
 from trainer.env import DistEnv
 
 
@@ -31,12 +32,12 @@ class Preemption:
 class SavePolicy:
     """When to save: every N steps, every M minutes (rank 0's clock), and when any rank was signalled.
 
-    Every ``poll_steps`` steps (and when asked, e.g. at an epoch end) one small all-reduce tells every rank
-    whether anyone was signalled and whether a timed save is due, so all ranks stop or save together.
+    Every ``poll_steps`` steps (and when asked, e.g. at an epoch end) one small all-reduce of host tensors tells every
+    rank whether anyone was signalled and whether a timed save is due, so all ranks stop or save together.
     """
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, device: torch.device, preemption: Preemption) -> None:
-        self.cfg, self.env, self.device, self.preemption = cfg, env, device, preemption
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption) -> None:
+        self.cfg, self.env, self.preemption = cfg, env, preemption
         self.last_save = time.monotonic()
 
     def poll(self, step: int, force: bool = False) -> tuple[int, bool]:
@@ -47,9 +48,11 @@ class SavePolicy:
             return 0, due_by_steps
         timed = (self.cfg.every_minutes > 0 and self.env.is_main
                  and time.monotonic() - self.last_save >= 60 * self.cfg.every_minutes)
-        flags = torch.tensor([self.preemption.signum, float(timed)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0].item()), due_by_steps or bool(flags[1].item())
+        flags = torch.tensor([self.preemption.signum, int(timed)], dtype=torch.int32)
+        if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
+        signum, timed_any = flags.tolist()
+        return signum, due_by_steps or bool(timed_any)
 
     def saved(self) -> None:
         """A save just finished: the timed interval starts again."""

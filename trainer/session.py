@@ -177,7 +177,7 @@ class Session:
             if self.sharded_checkpoints else
             ckpt.Checkpointer(self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
                               self.faults.save_delay_s, on_write=self.heartbeat.alive))
-        self.policy = SavePolicy(self.cfg.checkpoint, self.env, self.device, self.preemption)
+        self.policy = SavePolicy(self.cfg.checkpoint, self.env, self.preemption)
         self.tracker = Tracker(self.cfg, self.env, self.job, self.run.path)  # started below, once the run id is known
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None

@@ -105,7 +105,7 @@ class ShardedCheckpointer:
                     if stale.is_dir():
                         shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
-                save_atomic(tmp / EXTRA, extra)
+                save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
             except Exception as exc:
                 status[0] = f"{type(exc).__name__}: {exc}"
         dist.broadcast_object_list(status, src=0)  # the folder exists before any rank writes into it
@@ -150,8 +150,7 @@ class ShardedCheckpointer:
         fsync_dir(tmp)  # DCP fsyncs its own files; extra.pt was written with fsync
         if final.exists():  # an uncommitted folder of the same step (a crash after the rename): replaced
             shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(self.folder)
+        os.replace(tmp, final)  # made durable by the manifest's folder fsync; a manifest without it fails verification
         files = {f.name: f.stat().st_size for f in sorted(final.iterdir()) if f.is_file()}
         write_json(final.with_suffix(".json"), {"format": "dcp", "dir": final.name, "files": files,
                                                 "global_step": step, "time": time.time(), "version": FORMAT_VERSION})

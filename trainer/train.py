@@ -73,9 +73,13 @@ class Trainer:
         self.net = sess.wrap(parts.model)  # the optimizer holds the same parameters as the unwrapped model
         self.model: nn.Module = parts.model  # under fsdp the same module as self.net
         o = cfg.optim
+        # One kernel for all parameters on CUDA (the CPU keeps foreach); sharded parameters have a fused AdamW only.
+        fused = True if sess.device.type == "cuda" and (o.name == "adamw" or cfg.dist.strategy != "fsdp") else None
         self.optimizer: torch.optim.Optimizer = (
-            torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-            if o.name == "sgd" else torch.optim.AdamW(self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay))
+            torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                            fused=fused)
+            if o.name == "sgd" else
+            torch.optim.AdamW(self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay, fused=fused))
         if data.iterable:  # no length: train.max_steps (required) decides
             self.total_steps = cfg.train.max_steps
         else:
