@@ -61,7 +61,7 @@ def measure(ns: argparse.Namespace) -> None:
 
 
 def _job(nproc: int, args: list[str]) -> dict[str, Any]:
-    from benchmarks.bench import torchrun
+    from benchmarks.common import torchrun
 
     proc, _ = torchrun(nproc, [str(Path(__file__)), *args])
     return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
@@ -81,16 +81,16 @@ def memory_rows(dim: int, layers: int) -> list[dict[str, Any]]:
 
 def save_pairs(repeats: int, dim: int, layers: int) -> dict[str, Any]:
     """2 processes, ddp: rank 0 writing one file vs every rank writing its share (dcp), as interleaved pairs."""
-    pairs = []
-    for _ in range(repeats):
-        file, dcp = (_job(2, ["--strategy", "ddp", "--format", fmt, "--saves", "3", "--dim", str(dim),
-                              "--layers", str(layers)]) for fmt in ("file", "dcp"))
-        pairs.append({"file_sync_s": file["sync_s"], "dcp_sync_s": dcp["sync_s"], "file_stall_s": file["stall_s"],
-                      "dcp_stall_s": dcp["stall_s"], "sync_ratio": dcp["sync_s"] / file["sync_s"],
-                      "state_mb": file["checkpoint_bytes"] / 2**20})
-    ratios = [p["sync_ratio"] for p in pairs]
-    return {"pairs": pairs, "median_sync_ratio": statistics.median(ratios), "min_sync_ratio": min(ratios),
-            "max_sync_ratio": max(ratios)}
+    from benchmarks.common import pairs, spread
+
+    def job(fmt: str) -> dict[str, Any]:
+        return _job(2, ["--strategy", "ddp", "--format", fmt, "--saves", "3", "--dim", str(dim), "--layers", str(layers)])
+
+    done = [{"file_sync_s": file["sync_s"], "dcp_sync_s": dcp["sync_s"], "file_stall_s": file["stall_s"],
+             "dcp_stall_s": dcp["stall_s"], "sync_ratio": dcp["sync_s"] / file["sync_s"],
+             "state_mb": file["checkpoint_bytes"] / 2**20} for file, dcp in pairs(repeats, lambda: job("file"),
+                                                                                    lambda: job("dcp"))]
+    return {"pairs": done, "sync_ratio": spread([p["sync_ratio"] for p in done])}
 
 
 if __name__ == "__main__":

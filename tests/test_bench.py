@@ -15,10 +15,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
                           env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "benchmarks.json").read_text())
-    assert [r["processes"] for r in results["scaling"]] == [1, 2, 1, 2]
-    assert results["trainer_vs_bare"]["ratio"] > 0 and results["checkpoint"][0]["sync_save_s"] > 0
+    t = results["trainer_and_bare"]
+    assert [(r["processes"], r["batch_per_process"]) for r in t["rows"]] == [(1, 32), (2, 32), (1, 64)]
+    assert all(r["trainer_vs_bare"]["values"][0] > 0 for r in t["rows"])
+    assert t["weak"]["bare"]["median"] > 0 and t["strong"]["trainer"]["median"] > 0
+    ck = results["checkpoint"][0]
+    assert ck["sync_s"]["median"] > 0 and len(ck["speed_vs_raw"]["values"]) == 1
     assert (tmp_path / "benchmarks-scaling.png").stat().st_size > 1000
-    assert "## 2. Trainer vs the tutorials' bare loop" in (tmp_path / "benchmarks.md").read_text()
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "## 1. Trainer vs the tutorials' bare loop, and scaling" in page and "per pair" in page
     memory = {(m["strategy"], m["processes"]): m["total"] for m in results["sharded"]["memory"]}
     assert memory[("fsdp", 2)] < 0.6 * memory[("ddp", 2)]  # each rank keeps about half (the split is exact, not timed)
     assert results["sharded"]["saves"]["pairs"][0]["dcp_sync_s"] > 0

@@ -1,0 +1,101 @@
+"""What every benchmark shares: the machine's description, launching runs, and interleaved A/B pairs.
+
+Every comparison runs as pairs A, B, A, B, … in one invocation, so slow drift in the machine's load hits both sides
+alike; each pair gives one ratio, and a result is the median ratio shown with its min and max (the noise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from trainer.env import without_placement
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "gpus": gpus, "platform": platform.platform()}
+
+
+def pairs(n: int, a: Callable[[], T], b: Callable[[], T]) -> list[tuple[T, T]]:
+    """``n`` interleaved pairs: A, B, A, B, …"""
+    out = []
+    for _ in range(n):
+        first = a()
+        out.append((first, b()))
+    return out
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Every value, their median, min and max."""
+    return {"values": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def show(s: dict[str, Any], fmt: str = "{:.2f}×") -> str:
+    """``median (min … max)`` for a table cell."""
+    return f"{fmt.format(s['median'])} ({s['min']:.2f}–{s['max']:.2f})"
+
+
+def each(s: dict[str, Any]) -> str:
+    """Every pair's value, in order."""
+    return ", ".join(f"{v:.2f}" for v in s["values"])
+
+
+def clean_env() -> dict[str, str]:
+    env = without_placement(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def torchrun(nproc: int, target: list[str], ok_if: str = "") -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``target`` under a local torchrun; return the finished process and when it was launched."""
+    launched = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           *target], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode and not (ok_if and ok_if in proc.stdout):
+        raise RuntimeError(f"{' '.join(target)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc, launched
+
+
+def trainer_run(nproc: int, args: list[str], tmp: Path, device: str = "cpu") -> dict[str, Any]:
+    """The built-in trainer: its result.json, plus launch → first optimizer step in seconds."""
+    run = Path(tempfile.mkdtemp(dir=tmp))
+    # As with the bare loop: gloo's teardown occasionally aborts a rank after the run finished; result.json counts.
+    _, launched = torchrun(nproc, ["-m", "trainer", *args, f"run.dir={run}", f"train.device={device}",
+                                   "tracking.mode=disabled", "checkpoint.resume=never"], ok_if="\ndone: test accuracy")
+    result: dict[str, Any] = json.loads((run / "result.json").read_text())
+    result["launch_to_first_step_s"] = result["first_step_at"] - launched
+    shutil.rmtree(run)
+    return result
+
+
+def bare_run(nproc: int, batch: int, size: int, device: str = "cpu") -> dict[str, Any]:
+    """The tutorials' loop (benchmarks/bare_ddp.py) on the same model, data and batch."""
+    # Its gloo teardown sometimes aborts after it has printed its figures: those still count.
+    proc, launched = torchrun(nproc, [str(ROOT / "benchmarks" / "bare_ddp.py"), f"--batch-size={batch}",
+                                      f"--train-size={size}", f"--device={device}"], ok_if='"train_samples_per_s"')
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["launch_to_first_step_s"] = result["first_step_at"] - launched
+    return result
