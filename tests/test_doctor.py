@@ -11,21 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load
-from trainer.doctor import (
-    FAIL,
-    PASS,
-    SKIP,
-    WARN,
-    Check,
-    check_gpus,
-    container_spec,
-    describe,
-    main,
-    merge,
-    render,
-    shared_gpus,
-    worst_exit,
-)
+from trainer.doctor import describe, main, merge, render, worst_exit
+from trainer.doctor_checks import FAIL, PASS, SKIP, WARN, Check, check_gpus, container_spec, shared_gpus
 from trainer.env import DistEnv, HostFacts, JobInfo
 
 from .conftest import clean_env, free_port, spawn_ranks
@@ -76,7 +63,7 @@ def test_unresolvable_master_fails_fast_without_a_traceback(tmp_path: Path) -> N
 def test_a_taken_port_fails_on_the_head_node_unless_torchruns_agent_holds_it() -> None:
     import socket
 
-    from trainer.doctor import check_master
+    from trainer.doctor_checks import check_master
 
     with socket.socket() as held:
         held.bind(("", 0))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from cluster import sweep, sweep_status
+from cluster import sweep, sweep_spec, sweep_status
 from cluster.__main__ import main as cluster_main
-from cluster.sweep import SweepSpec, plan
+from cluster.sweep_spec import SweepSpec, plan
 from cluster.sweep_status import status
 from trainer.config import load as load_train_config
 from trainer.files import write_json
@@ -126,7 +126,7 @@ def test_cli_input_errors(argv: list[str], field: str, tmp_path: Path, monkeypat
 
 
 def spec_of(tmp_path: Path, text: str) -> SweepSpec:
-    return sweep.load_spec(write(tmp_path, text))
+    return sweep_spec.load_spec(write(tmp_path, text))
 
 
 def test_grid_is_the_cartesian_product_in_a_stable_order(tmp_path: Path) -> None:
