@@ -1,12 +1,13 @@
 """`make bench`: measured claims only. Writes docs/benchmarks.md, docs/benchmarks.json and a scaling plot.
 
-Every comparison runs as interleaved pairs (A, B, A, B, …) in this one invocation on this one machine; every pair's
+Every comparison runs as interleaved pairs (A B, B A, …) in this one invocation on this one machine; every pair's
 ratio is printed with their median, min and max. Compare figures within one run only: these machines are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -39,8 +40,8 @@ def trainer_and_bare(rounds: int, size: int, tmp: Path) -> dict[str, Any]:
         for n, batch in settings:
             args = [f"data.synthetic_train_size={size}", "train.epochs=1", f"data.batch_size={batch}",
                     "data.num_workers=0"]
-            ours = trainer_run(n, args, tmp, device)  # then the bare loop: one pair
-            runs[(n, batch)].append((ours, bare_run(n, batch, size, device)))
+            runs[(n, batch)] += pairs(1, functools.partial(trainer_run, n, args, tmp, device),
+                                      functools.partial(bare_run, n, batch, size, device))
     rate = {s: ([t["train_samples_per_s"] for t, _ in r], [b["train_samples_per_s"] for _, b in r])
             for s, r in runs.items()}
     rows = [{"processes": n, "batch_per_process": batch, "global_batch": n * batch,
@@ -88,8 +89,9 @@ def render(results: dict[str, Any]) -> str:
     m, t = results["machine"], results["trainer_and_bare"]
     out = ["# Benchmarks", "", f"Measured by `make bench` on {results['date']}: {m['cpu']}, {m['cores']} cores, "
            f"GPUs: {', '.join(m['gpus']) or 'none'}; Python {m['python']}, torch {m['torch']}. Every comparison ran "
-           "as interleaved pairs (A, B, A, B, …) in this one invocation; a ratio is shown as median (min–max) over "
-           "its pairs, with every pair's value beside it. Compare figures within this page only.", "",
+           "as interleaved pairs in this one invocation, each pair's order alternating (A B, B A, …); a ratio is "
+           "shown as median (min–max) over its pairs, with every pair's value beside it. Compare figures within this "
+           "page only.", "",
            "## 1. Trainer vs the tutorials' bare loop, and scaling", "",
            f"Same model, data and batch on {t['device']} (`benchmarks/bare_ddp.py`: DDP, DataLoader, SGD, nothing "
            f"else); the training loop only. {t['rounds']} rounds, each running every setting as a trainer, bare pair.",
@@ -108,9 +110,10 @@ def render(results: dict[str, Any]) -> str:
                    f"| {each(e['bare'])} |")
     out += ["", "![scaling](benchmarks-scaling.png)", "", "Targets: trainer / bare ≥ 1.0×; the trainer's scaling "
             "efficiency no lower than the bare loop's.", "", "## 2. Checkpoint cost", "",
-            "One process. Speed: pairs of (raw `torch.save` + fsync, our synchronous save: hash, fsync, rename, "
-            "manifest), raw time ÷ ours. Stall: pairs of (synchronous save, asynchronous save's training stall).", "",
-            "| model | state (MB) | raw (s) | ours (s) | speed vs raw | per pair | async stall (s) | stall vs sync | "
+            "One process; every save starts after an `os.sync()`. Speed: pairs of (raw `torch.save` + fsync, our "
+            "synchronous save: hash, fsync, rename, manifest), raw time ÷ ours. Stall: pairs of (synchronous save, "
+            "asynchronous save's training stall).", "",
+            "| model | state (MiB) | raw (s) | ours (s) | speed vs raw | per pair | async stall (s) | stall vs sync | "
             "per pair | first async stall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["checkpoint"]:
         out.append(f"| {c['model']} | {c['state_mb']:.1f} | {c['raw_s']['median']:.3f} | {c['sync_s']['median']:.3f} | "
@@ -119,10 +122,12 @@ def render(results: dict[str, Any]) -> str:
                    f"{each(c['stall_vs_sync'])} | {c['first_async_stall_s']:.3f} |")
     out += ["", "Targets: sync save ≥ 90 % of raw speed from resnet18's size up (the smallest state is fixed costs: "
             "fsyncs, manifest); async stall ≤ 10 % of a sync save. The stall is the steady state (later saves copy "
-            "into host buffers the first one allocated); the first save's stall is shown apart.", "",
+            "into host buffers the first one allocated); the first save's stall is shown apart. Both sides "
+            "of a speed pair write the same bytes through the same `torch.save`: a row's spread is the disk's (on a "
+            "VM's disk, fsyncs of hundreds of MiB vary by tens of percent from one save to the next).", "",
             "## 3. Launch overhead", "",
-            f"Local torchrun, launch → first optimizer step: trainer {show(t['launch_s']['trainer'], '{:.2f} s')}, "
-            f"bare loop {show(t['launch_s']['bare'], '{:.2f} s')} (every run of section 1).", ""]
+            f"Local torchrun, launch → first optimizer step: trainer {show(t['launch_s']['trainer'], '{:.2f}')} s, "
+            f"bare loop {show(t['launch_s']['bare'], '{:.2f}')} s (every run of section 1).", ""]
     c = results["cluster"]
     if "skipped" in c:
         out.append(f"Dev cluster row skipped: {c['skipped']}.")
@@ -198,7 +203,7 @@ def main() -> int:
         tmp = Path(t)
         results: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats}
         results["trainer_and_bare"] = trainer_and_bare(repeats, size, tmp)
-        models = (("cnn", 1),) if a.smoke else (("cnn", 5), ("resnet18", 5), ("linear8192", 3))
+        models = (("cnn", 1),) if a.smoke else (("cnn", 5), ("resnet18", 7), ("linear8192", 9))
         results["checkpoint"] = [checkpoint_cost(max(k, repeats), tmp, m) for m, k in models]
         results["cluster"] = {"skipped": "smoke run"} if a.smoke else cluster_overhead(repeats)
         results["dp_vs_ddp"] = dp_vs_ddp(repeats, size, tmp)

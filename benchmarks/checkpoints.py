@@ -48,6 +48,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
 
     def raw() -> float:
         path = tmp / f"raw{next(counter)}.pt"
+        os.sync()  # each save starts with no writeback of an earlier one (or of its deletion) still queued
         start = time.perf_counter()
         with open(path, "wb") as f:  # made durable the same way, for a fair comparison
             torch.save(state, f)
@@ -60,6 +61,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
     def sync() -> float:
         folder = tmp / f"ck{next(counter)}"
         saver = ckpt.Checkpointer(folder, True, keep=2)
+        os.sync()
         start = time.perf_counter()
         saver.save(state, 1)
         took = time.perf_counter() - start
@@ -72,6 +74,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
     steps = iter(range(1, 10**6))
 
     def stall() -> float:
+        os.sync()
         start = time.perf_counter()
         background.save(state, next(steps), blocking=False)
         took = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """What every benchmark shares: the machine's description, launching runs, and interleaved A/B pairs.
 
-Every comparison runs as pairs A, B, A, B, … in one invocation, so slow drift in the machine's load hits both sides
-alike; each pair gives one ratio, and a result is the median ratio shown with its min and max (the noise).
+Every comparison runs as interleaved pairs in one invocation (A B, B A, A B, …), so slow drift in the machine's load
+hits both sides alike; each pair gives one ratio, and a result is the median ratio shown with its min and max (the noise).
 """
 
 from __future__ import annotations
@@ -40,11 +40,16 @@ def machine() -> dict[str, Any]:
 
 
 def pairs(n: int, a: Callable[[], T], b: Callable[[], T]) -> list[tuple[T, T]]:
-    """``n`` interleaved pairs: A, B, A, B, …"""
+    """``n`` interleaved pairs (A, B), run A B, B A, A B, …: neither side always runs first, or always after the
+    other (whose writes the disk may still be settling)."""
     out = []
-    for _ in range(n):
-        first = a()
-        out.append((first, b()))
+    for i in range(n):
+        if i % 2:
+            second = b()
+            out.append((a(), second))
+        else:
+            first = a()
+            out.append((first, b()))
     return out
 
 
@@ -55,7 +60,7 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 def show(s: dict[str, Any], fmt: str = "{:.2f}×") -> str:
     """``median (min … max)`` for a table cell."""
-    return f"{fmt.format(s['median'])} ({s['min']:.2f}–{s['max']:.2f})"
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
 
 
 def each(s: dict[str, Any]) -> str:

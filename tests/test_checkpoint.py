@@ -278,3 +278,26 @@ def test_async_staging_reuses_its_host_buffers() -> None:
     state["model"]["w"] = torch.zeros(8)  # a changed shape gets a buffer of its own
     third = staging.stage(state)
     assert third["model"]["w"].shape == (8,) and third["model"]["w"].data_ptr() != ptr
+
+
+_OPENS: dict[str, list[str]] = {}  # while "on" is in it, the audit hook records every file opened
+
+
+def _count_opens(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and "on" in _OPENS and isinstance(args[0], (str, os.PathLike)):
+        _OPENS["on"].append(os.fspath(args[0]))  # type: ignore[arg-type]
+
+
+def test_a_resume_reads_the_checkpoint_once_and_verifies_what_it_read(tmp_path: Path) -> None:
+    """The hash is checked on the bytes that are then loaded: one read of the file, whatever its size."""
+    state = {"w": torch.randn(256, 256), "step": 7}
+    path = tmp_path / "step_00000007.pt"
+    ckpt.Checkpointer(tmp_path, True, keep=2)._commit(state, path, 7)  # the commit itself, no process group needed
+    sys.addaudithook(_count_opens)  # hooks last as long as the process: this one records only while switched on
+    _OPENS["on"] = []
+    try:
+        found = ckpt.find_resumable(tmp_path)
+    finally:
+        opened = _OPENS.pop("on")
+    assert found is not None and found[0] == path and torch.equal(found[1]["w"], state["w"])
+    assert [p for p in opened if Path(p).name == path.name] == [str(path)]
