@@ -36,12 +36,12 @@ def trainer_and_bare(rounds: int, size: int, tmp: Path) -> dict[str, Any]:
     top = counts[-1]
     settings = [(n, BATCH) for n in counts] + [(1, BATCH * top)]
     runs: dict[tuple[int, int], list[tuple[dict[str, Any], dict[str, Any]]]] = {s: [] for s in settings}
-    for _ in range(rounds):
+    for r in range(rounds):
         for n, batch in settings:
             args = [f"data.synthetic_train_size={size}", "train.epochs=1", f"data.batch_size={batch}",
                     "data.num_workers=0"]
             runs[(n, batch)] += pairs(1, functools.partial(trainer_run, n, args, tmp, device),
-                                      functools.partial(bare_run, n, batch, size, device))
+                                      functools.partial(bare_run, n, batch, size, device), start=r)
     rate = {s: ([t["train_samples_per_s"] for t, _ in r], [b["train_samples_per_s"] for _, b in r])
             for s, r in runs.items()}
     rows = [{"processes": n, "batch_per_process": batch, "global_batch": n * batch,

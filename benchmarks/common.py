@@ -39,11 +39,12 @@ def machine() -> dict[str, Any]:
             "gpus": gpus, "platform": platform.platform()}
 
 
-def pairs(n: int, a: Callable[[], T], b: Callable[[], T]) -> list[tuple[T, T]]:
+def pairs(n: int, a: Callable[[], T], b: Callable[[], T], start: int = 0) -> list[tuple[T, T]]:
     """``n`` interleaved pairs (A, B), run A B, B A, A B, …: neither side always runs first, or always after the
-    other (whose writes the disk may still be settling)."""
+    other (whose writes the disk may still be settling). ``start``: the index of the first pair, for a series of
+    pairs made one call at a time."""
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         if i % 2:
             second = b()
             out.append((a(), second))

@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import xxhash
 
-from trainer.dist import gather
+from trainer.dist import from_main, gather
 from trainer.files import fsync_dir, tmp_path, write_json
 
 PREFIX = "step_"
@@ -163,11 +162,9 @@ class Checkpointer:
                     self._thread.start()
             except Exception as exc:  # e.g. a full disk: every rank must hear of it, not wait at a barrier
                 status[0] = f"{type(exc).__name__}: {exc}"
-                if dist.get_world_size() > 1:
-                    dist.broadcast_object_list(status, src=0)
+                from_main(status)
                 raise
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(status, src=0)  # also the barrier: nobody runs ahead of the commit
+        from_main(status)  # also the barrier: nobody runs ahead of the commit
         if status[0] is not None:
             raise RuntimeError(f"checkpoint save failed on rank 0: {status[0]}")
         self.last_path = path

@@ -281,8 +281,7 @@ class Session:
         self.saved_step, self.last_path = step, path
         self.policy.saved()
         if self.env.is_main:  # a background save's size is not known yet: its time is the stall
-            size = None if not blocking else sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else \
-                path.stat().st_size
+            size = _size_on_disk(path) if blocking else None
             self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
                              blocking=blocking, bytes=size, path=str(path))
         return path
@@ -342,3 +341,7 @@ class Session:
             self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__)
         self.close()
 
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes of a checkpoint: one file, or a sharded step folder's files."""
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpoint import FORMAT_VERSION, PREFIX, committed, rng_state, save_atomic
-from trainer.dist import gather
+from trainer.dist import from_main, gather
 from trainer.files import fsync_dir, write_json
 
 EXTRA = "extra.pt"
@@ -108,7 +108,7 @@ class ShardedCheckpointer:
                 save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
             except Exception as exc:
                 status[0] = f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(status, src=0)  # the folder exists before any rank writes into it
+        from_main(status)  # the folder exists before any rank writes into it
         if status[0] is not None:
             raise RuntimeError(f"checkpoint save failed on rank 0: {status[0]}")
         if self.save_delay_s and self.is_main:  # test hook: a kill now leaves a half-written folder
@@ -135,7 +135,7 @@ class ShardedCheckpointer:
                 self._commit(tmp, final, step)
             except Exception as exc:
                 status[0] = f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(status, src=0)  # nobody runs ahead of the commit
+        from_main(status)  # nobody runs ahead of the commit
         if status[0] is not None:
             raise RuntimeError(f"checkpoint commit failed on rank 0: {status[0]}")
 
