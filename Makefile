@@ -45,9 +45,10 @@ train: venv  ## train the built-in default locally: NPROC processes (CPU or GPUs
 test: venv  ## run the test suite
 	$(BIN)/pytest
 
-lint: venv  ## ruff and mypy
+lint: venv  ## ruff, mypy and the dependency rule (import-linter contracts in .importlinter)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 submit: venv  ## submit to Slurm: CMD="python train.py …" (any command; default: the built-in trainer) CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..." SET="profile_key=value ..."
 	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \

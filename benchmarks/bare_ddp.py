@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainer.config import load
-from trainer.data import synthetic
-from trainer.models import SmallCNN
+from trainer.builtin.data import synthetic
+from trainer.builtin.models import SmallCNN
+from trainer.core.config import load
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=32)

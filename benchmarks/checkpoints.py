@@ -18,8 +18,8 @@ from benchmarks.common import pairs, spread
 
 def _state(model_name: str) -> dict[str, Any]:
     """A model's and its SGD momentum's state after one step, as a run checkpoints it."""
-    from trainer.config import ModelConfig
-    from trainer.models import build_model
+    from trainer.builtin.models import build_model
+    from trainer.core.config import ModelConfig
 
     if model_name == "linear8192":  # one 8192×8192 layer: 537 MB of weights and momentum
         model: torch.nn.Module = torch.nn.Linear(8192, 8192)
@@ -35,7 +35,7 @@ def _state(model_name: str) -> dict[str, Any]:
 
 def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
     """Pairs of (raw torch.save + fsync, our synchronous save), then pairs of (synchronous save, asynchronous stall)."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import file as ckpt
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
@@ -56,7 +56,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
 
     def sync() -> float:
         folder = tmp / f"ck{next(counter)}"
-        saver = ckpt.Checkpointer(folder, True, keep=2)
+        saver = ckpt.FileCheckpointer(folder, True, keep=2)
         os.sync()
         start = time.perf_counter()
         saver.save(state, 1)
@@ -66,7 +66,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
 
     # One checkpointer for every async save, as in a run: the first save allocates the host buffers that every
     # later one copies into (reported apart); the steady state is what a long run sees.
-    background = ckpt.Checkpointer(tmp / "async", True, keep=2)
+    background = ckpt.FileCheckpointer(tmp / "async", True, keep=2)
     steps = itertools.count(1)
 
     def stall() -> float:

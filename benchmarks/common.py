@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from trainer.env import without_placement
+from trainer.core.env import without_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

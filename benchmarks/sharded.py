@@ -29,7 +29,7 @@ def measure(ns: argparse.Namespace) -> None:
     from model import GPT, GPTConfig
 
     import trainer
-    from trainer.sharding import local_bytes
+    from trainer.runtime.fsdp import local_bytes
 
     with tempfile.TemporaryDirectory() as run, trainer.Session(
             [f"dist.strategy={ns.strategy}", f"checkpoint.format={ns.format}", f"run.dir={run}",

@@ -12,7 +12,7 @@ from cluster.render import render_sbatch
 from cluster.submit import submit
 from cluster.sweep import run as run_sweep
 from cluster.sweep_status import show_status
-from trainer.errors import EXIT_BAD_INPUT, UserError
+from trainer.core.errors import UserError, exit_code_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,30 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("sweep-status", help="print a sweep's trials ranked by its metric")
     st.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
     ns = parser.parse_args(argv)
-    try:
-        if ns.command == "sweep-status":
-            return show_status(ns.sweep_dir)
-        bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
-        if bad:
-            raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")
-        overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set)
-        if ns.command == "sweep":
-            return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait)
-        if ns.command == "render":
-            p = load_profile(ns.cluster, overrides)
-            sets = "".join(f" --set {kv}" for kv in ns.set) + (" --command" if ns.command_template else "")
-            usage = "COMMAND [ARG ...]` (e.g. python train.py --lr 0.1)" if ns.command_template else "[key=value ...]`"
-            origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE {usage} (sbatch options such as "
-                      f"--nodes=1 override the lines below).\n# Made by `python -m cluster render --cluster {ns.cluster}{sets}`: "
-                      "edit the profile and regenerate rather than editing by hand.")
-            print(render_sbatch(p, "python", [], origin, command=Command(()) if ns.command_template else None), end="")
-            return 0
-        if ns.nodes is not None:
-            overrides["nodes"] = ns.nodes
-        return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
-    except UserError as err:
-        print(err.render(), file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return exit_code_of(lambda: _dispatch(ns))
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
+    if ns.command == "sweep-status":
+        return show_status(ns.sweep_dir)
+    bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
+    if bad:
+        raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")
+    overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set)
+    if ns.command == "sweep":
+        return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait)
+    if ns.command == "render":
+        p = load_profile(ns.cluster, overrides)
+        sets = "".join(f" --set {kv}" for kv in ns.set) + (" --command" if ns.command_template else "")
+        usage = "COMMAND [ARG ...]` (e.g. python train.py --lr 0.1)" if ns.command_template else "[key=value ...]`"
+        origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE {usage} (sbatch options such as "
+                  f"--nodes=1 override the lines below).\n# Made by `python -m cluster render --cluster {ns.cluster}{sets}`: "
+                  "edit the profile and regenerate rather than editing by hand.")
+        print(render_sbatch(p, "python", [], origin, command=Command(()) if ns.command_template else None), end="")
+        return 0
+    if ns.nodes is not None:
+        overrides["nodes"] = ns.nodes
+    return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.profile import Profile
-from trainer.errors import UserError
+from trainer.core.errors import UserError
 
 OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=")
 """A trainer override: a dotted key, '=', a value."""

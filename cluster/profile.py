@@ -13,8 +13,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.errors import UserError
-from trainer.files import load_yaml
+from trainer.core.errors import UserError
+from trainer.core.files import load_yaml
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 

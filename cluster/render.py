@@ -12,8 +12,8 @@ from pathlib import Path
 
 from cluster.command import Command
 from cluster.profile import Profile
-from trainer.env import PORT_BASE, PORT_SPAN
-from trainer.errors import EXIT_REQUEUE, UserError
+from trainer.core.env import PORT_BASE, PORT_SPAN
+from trainer.core.errors import EXIT_REQUEUE, UserError
 
 
 def sbatch_directives(p: Profile) -> list[str]:
@@ -108,7 +108,7 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     overrides += ' run.dir="$RUN_DIR"' + (' "$@"' if user_args else "")
     if p.launch == "srun":
         return [f"{srun} {py} -m {module}{overrides}"]
-    # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/env.py does.
+    # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.
     ignore = f"bash -c 'trap \"\" {p.signal}; exec \"$@\"' torchrun " if p.signal in ("USR1", "USR2") else ""

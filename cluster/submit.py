@@ -15,8 +15,7 @@ from cluster.command import Command, parse, requeue_after
 from cluster.profile import Profile
 from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch, requeue_rule, run_dir_lines
 from cluster.task import CommandTask, TrainTask
-from trainer.build import load_checked as load_train_config
-from trainer.errors import UserError
+from trainer.core.errors import UserError
 
 
 def python_for(p: Profile) -> str:
@@ -214,3 +213,11 @@ def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait:
         checksum = f", parameter checksum {r['param_checksums'][r['rank']]}" if "param_checksums" in r else ""
         print(f"  rank {r['rank']}: world size {r['world_size']}{checksum}")
     return 0
+
+
+def load_train_config(args: list[str]) -> None:
+    """The built-in trainer's checks of ``args`` (imported here: they load torch, which listing or rendering never
+    needs)."""
+    from trainer.builtin.build import load_checked
+
+    load_checked(args)

@@ -24,13 +24,13 @@ from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from cluster.command import Command, requeue_after
 from cluster.profile import Profile, load_profile
-from cluster.submit import check_slurm, executor, renderable
+from cluster.submit import check_slurm, executor, load_train_config, renderable
 from cluster.sweep_spec import SweepSpec, Trial, _err, _kv, load_spec, plan
-from cluster.sweep_status import columns, finish, fmt
+from cluster.sweep_status import finish
 from cluster.task import CommandTask, TrainTask
-from trainer.build import load_checked as load_train_config
-from trainer.errors import UserError
-from trainer.files import write_json
+from cluster.trials import columns, fmt
+from trainer.core.errors import UserError
+from trainer.core.files import write_json
 
 
 def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
@@ -205,5 +205,4 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     print(f"folder: {shown}\nlogs:   {shown}/logs\nstatus: make sweep-status {shlex.quote('SWEEP_DIR=' + shown)}"
           f"    squeue -r -j {array_id}")
     return finish(sweep_dir, poll_s) if wait else 0
-
 

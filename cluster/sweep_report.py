@@ -9,7 +9,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from cluster.sweep_status import Row, fmt, is_number
+from cluster.trials import Row, fmt, is_number
 
 
 def plot(rows: list[Row], keys: list[str], metric: str, path: Path) -> Path:

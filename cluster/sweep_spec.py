@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.sweep_status import fmt, is_number
-from trainer.errors import UserError
-from trainer.files import load_yaml
+from cluster.trials import fmt, is_number
+from trainer.core.errors import UserError
+from trainer.core.files import load_yaml
 
 METRICS = ("test_accuracy", "test_loss", "train_samples_per_s", "train_time_s", "global_step")
 """Numeric keys of a run's result.json that a sweep can rank trials by."""

@@ -6,54 +6,20 @@ What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` pla
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from cluster import sweep_report
+from cluster.trials import Row, columns, fmt, is_number
+from trainer.core.errors import UserError
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted")
 """Slurm states (lower case) after which a trial runs no more; a requeued task shows pending/requeued instead."""
-
-
-@dataclass
-class Row:
-    """One trial as :func:`status` sees it."""
-
-    index: int
-    """Trial index."""
-    overrides: dict[str, Any]
-    """The trial's swept values."""
-    state: str
-    """done (result.json), requeued (requeue.json), else Slurm's state in lower case, or unknown."""
-    slurm: str
-    """Slurm's own state in lower case, or unknown when neither sacct nor squeue knows the task."""
-    value: float | None
-    """The metric from result.json; None until the trial is done."""
-    run_dir: Path
-    """The trial's run folder."""
-
-
-def fmt(value: Any) -> str:
-    """A value as the table shows it (YAML's spelling of scalars)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else str(value)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def columns(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows])
 
 
 def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
@@ -214,8 +180,6 @@ def show_status(sweep_dir: str | None) -> int:
 
 def page(sweep_dir: Path, rows: list[Row]) -> None:
     """sweep.html and sweep.png (cluster/sweep_report.py); a plotting problem costs a note, not the status."""
-    from cluster import sweep_report
-
     try:
         print(f"report: {sweep_report.write(sweep_dir, _read_sweep(sweep_dir), rows)}")
     except Exception as exc:

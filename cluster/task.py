@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-from trainer.errors import EXIT_REQUEUE, UserError
+from trainer.core.errors import EXIT_REQUEUE, UserError
 
 
 def _leave_requeue_to_the_batch_script() -> None:

@@ -21,7 +21,7 @@ if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontro
     export MASTER_ADDR
 fi
 
-# What the trainer reads to find its place (trainer/env.py TRAINER_VARIABLES; a test keeps the lists equal),
+# What the trainer reads to find its place (trainer/core/env.py TRAINER_VARIABLES; a test keeps the lists equal),
 # plus what NCCL, CUDA and W&B need. `-e NAME` copies the value from here without writing it down.
 vars=(RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID
       SLURM_PROCID SLURM_LOCALID SLURM_NTASKS SLURM_NODEID SLURM_NNODES SLURM_JOB_NODELIST SLURM_STEP_NODELIST

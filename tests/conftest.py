@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from trainer.env import without_placement
+from trainer.core.env import without_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
@@ -30,7 +30,7 @@ SMALL = [
 
 
 def faults(**values: object) -> dict[str, str]:
-    """The environment that injects test faults (trainer/faults.py), e.g. ``faults(preempt_at_step=3)``."""
+    """The environment that injects test faults (trainer/testing/faults.py), e.g. ``faults(preempt_at_step=3)``."""
     return {"TRAINER_FAULTS": " ".join(f"{k}={v}" for k, v in values.items())}
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import file as ckpt
+from trainer.checkpoint import layout
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
@@ -77,8 +78,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> 
         time.sleep(0.2)
     proc.kill()
     proc.wait()
-    assert [m.name for m in ckpt.committed(folder)] == ["step_00000010.json"]
-    ckpt.verify(folder / "step_00000010.json")
+    assert [m.name for m in layout.committed(folder)] == ["step_00000010.json"]
+    layout.verify(folder / "step_00000010.json")
     assert (folder / "latest").read_text() == "step_00000010.pt"
     resumed = ok(run_trainer(args, tmp_path))
     assert "resumed from" in resumed.stdout and "step_00000010.pt" in resumed.stdout
@@ -108,11 +109,11 @@ def test_truncated_and_unmarked_checkpoints_never_count(tmp_path: Path) -> None:
     folder = run / "checkpoints"
     (folder / "step_00000032.pt").write_bytes((folder / "step_00000032.pt").read_bytes()[:100])
     with pytest.warns(UserWarning, match="truncated"):
-        path, state = ckpt.find_resumable(run)  # type: ignore[misc]
+        path, state = layout.find_resumable(run)  # type: ignore[misc]
     assert path.name == "step_00000030.pt" and state["step"] == 30
     (folder / "step_00000030.json").unlink()  # no marker: an unfinished save
     with pytest.warns(UserWarning):
-        path, _ = ckpt.find_resumable(run)  # type: ignore[misc]
+        path, _ = layout.find_resumable(run)  # type: ignore[misc]
     assert path.name == "step_00000020.pt"
 
 
@@ -120,7 +121,7 @@ def test_keep_last_k_and_periodic_by_time(tmp_path: Path) -> None:
     run = tmp_path / "run"
     ok(run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_minutes=0.0005", "checkpoint.keep=2"],
                    tmp_path, env=faults(step_delay_s=0.05)))
-    manifests = ckpt.committed(run / "checkpoints")
+    manifests = layout.committed(run / "checkpoints")
     assert [m.name for m in manifests][0] == "step_00000032.json" and len(manifests) == 2
     assert len(list((run / "checkpoints").glob("step_*.pt"))) == 2
     meta = json.loads(manifests[1].read_text())
@@ -131,10 +132,10 @@ def test_async_saves_commit_and_match_sync_saves(tmp_path: Path) -> None:
     args = [*SMALL, "checkpoint.every_steps=4", "checkpoint.keep=20"]
     ok(run_trainer([*args, f"run.dir={tmp_path / 'sync'}"], tmp_path, nproc=2))
     ok(run_trainer([*args, f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true"], tmp_path, nproc=2))
-    s, a = ckpt.committed(tmp_path / "sync" / "checkpoints"), ckpt.committed(tmp_path / "async" / "checkpoints")
+    s, a = layout.committed(tmp_path / "sync" / "checkpoints"), layout.committed(tmp_path / "async" / "checkpoints")
     assert [m.name for m in s] == [m.name for m in a] and len(a) == 4  # 16 steps, every 4
     for ms, ma in zip(s, a, strict=True):
-        ckpt.verify(ma)
+        layout.verify(ma)
         st = torch.load(ms.with_suffix(".pt"), weights_only=True)
         at = torch.load(ma.with_suffix(".pt"), weights_only=True)
         assert_bit_identical(st["model"], at["model"])
@@ -166,7 +167,7 @@ def test_signal_saves_once_exits_75_and_rerun_resumes(tmp_path: Path) -> None:
     outs = [p.communicate(timeout=120)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert outs[0].count("SIGUSR2 received: saved") == 1 and "received" not in outs[1]
-    assert len(ckpt.committed(run / "checkpoints")) == 1
+    assert len(layout.committed(run / "checkpoints")) == 1
     marker = json.loads((run / "requeue.json").read_text())  # for launchers that lose the exit code
     assert marker["signal"] == "SIGUSR2" and Path(marker["checkpoint"]).is_file()
     ranks = spawn_ranks([*SMALL, f"run.dir={run}", "data.num_workers=1"], tmp_path)
@@ -215,8 +216,8 @@ def test_out_of_memory_reports_hints_exits_2_and_keeps_the_last_checkpoint(tmp_p
     assert lines[-2].startswith("error: data.batch_size: out of memory (rank 0, step 15")
     assert lines[-1].startswith("HINT: halve the batch") and "optim.grad_accum=2" in lines[-1]
     assert "Traceback" not in proc.stderr
-    assert [m.name for m in ckpt.committed(run / "checkpoints")] == ["step_00000010.json"]
-    ckpt.verify(run / "checkpoints" / "step_00000010.json")
+    assert [m.name for m in layout.committed(run / "checkpoints")] == ["step_00000010.json"]
+    layout.verify(run / "checkpoints" / "step_00000010.json")
 
 
 OOM_IN_SETUP = """
@@ -224,7 +225,7 @@ import sys
 
 import torch
 
-from trainer import session
+from trainer.runtime import session
 from trainer.__main__ import main
 
 
@@ -252,9 +253,9 @@ def test_out_of_memory_while_setting_up_goes_through_the_same_handler(tmp_path: 
 
 
 def test_out_of_memory_message_survives_an_empty_exception_text() -> None:
-    from trainer.config import Config
-    from trainer.env import DistEnv
-    from trainer.train import out_of_memory
+    from trainer.builtin.train import out_of_memory
+    from trainer.core.config import Config
+    from trainer.core.env import DistEnv
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
     for setup in (False, True):
@@ -292,11 +293,11 @@ def test_a_resume_reads_the_checkpoint_once_and_verifies_what_it_read(tmp_path: 
     """The hash is checked on the bytes that are then loaded: one read of the file, whatever its size."""
     state = {"w": torch.randn(256, 256), "step": 7}
     path = tmp_path / "step_00000007.pt"
-    ckpt.Checkpointer(tmp_path, True, keep=2)._commit(state, path, 7)  # the commit itself, no process group needed
+    ckpt.FileCheckpointer(tmp_path, True, keep=2)._commit(state, path, 7)  # the commit itself, no process group needed
     sys.addaudithook(_count_opens)  # hooks last as long as the process: this one records only while switched on
     _OPENS["on"] = []
     try:
-        found = ckpt.find_resumable(tmp_path)
+        found = layout.find_resumable(tmp_path)
     finally:
         opened = _OPENS.pop("on")
     assert found is not None and found[0] == path and torch.equal(found[1]["w"], state["w"])

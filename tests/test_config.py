@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import Config, field_docs, help_text, load
-from trainer.errors import UserError
+from trainer.core.config import Config, field_docs, help_text, load
+from trainer.core.errors import UserError
 
 from .conftest import clean_env
 

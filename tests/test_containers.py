@@ -14,7 +14,7 @@ import pytest
 
 from cluster.profile import load_profile
 from cluster.submit import sbatch_script, submitit_script
-from trainer.env import TRAINER_VARIABLES
+from trainer.core.env import TRAINER_VARIABLES
 
 from .conftest import ROOT
 from .test_render import GOLDEN, _shellcheck, normalized
@@ -58,7 +58,7 @@ def test_rendered_container_scripts_pass_shellcheck(tmp_path: Path, runtime: str
 
 
 def env_reads() -> set[str]:
-    """Every variable name trainer/env.py reads, from its source (string constants that look like variables)."""
+    """Every variable name trainer/core/env.py reads, from its source (string constants that look like variables)."""
     tree = ast.parse((ROOT / "trainer" / "env.py").read_text())
     names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
              and re.fullmatch(r"[A-Z][A-Z0-9_]*[A-Z0-9]", n.value)}  # prefixes such as "SLURM_" are no names

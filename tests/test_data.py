@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import load
-from trainer.data import ResumableSampler, ShardSampler, build_data
-from trainer.env import DistEnv
-from trainer.errors import UserError
+from trainer.builtin.data import build_data
+from trainer.core.config import load
+from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+from trainer.runtime.samplers import ResumableSampler, ShardSampler
 
 from .conftest import ROOT, clean_env, ok
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load
-from trainer.doctor import describe, main, merge, render, worst_exit
-from trainer.doctor_checks import FAIL, PASS, SKIP, WARN, Check, check_gpus, container_spec, shared_gpus
-from trainer.env import DistEnv, HostFacts, JobInfo
+from trainer.core.config import load
+from trainer.core.env import DistEnv, HostFacts, JobInfo
+from trainer.doctor.checks import FAIL, PASS, SKIP, WARN, Check, check_gpus, container_spec, shared_gpus
+from trainer.doctor.run import describe, main, merge, render, worst_exit
 
 from .conftest import clean_env, free_port, spawn_ranks
 from .test_slurm import sh, slurm_env  # noqa: F401  (the fixture)
@@ -63,7 +63,7 @@ def test_unresolvable_master_fails_fast_without_a_traceback(tmp_path: Path) -> N
 def test_a_taken_port_fails_on_the_head_node_unless_torchruns_agent_holds_it() -> None:
     import socket
 
-    from trainer.doctor_checks import check_master
+    from trainer.doctor.checks import check_master
 
     with socket.socket() as held:
         held.bind(("", 0))
@@ -87,9 +87,9 @@ PEER = """
 import os, sys, time
 import torch
 import torch.distributed as dist
-from trainer import dist as tdist
-from trainer.config import load
-from trainer.env import discover
+from trainer.core import dist as tdist
+from trainer.core.config import load
+from trainer.core.env import discover
 tdist.setup(discover(), load(["train.device=cpu"]), torch.device("cpu"))
 dist.broadcast_object_list([None], src=0)
 os._exit(9) if sys.argv[1] == "exits" else time.sleep(600)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
-from trainer.errors import UserError
+from trainer.core.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
+from trainer.core.errors import UserError
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}

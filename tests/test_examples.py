@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.build import build_parts
-from trainer.config import load
-from trainer.errors import UserError
+from trainer.builtin.build import build_parts
+from trainer.core.config import load
+from trainer.core.errors import UserError
 
 from .conftest import ROOT, ok, result_of, run_trainer
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.builtin.models import SmallCNN
+from trainer.builtin.train import param_checksum
+from trainer.checkpoint import layout
 from trainer.export import consolidated
-from trainer.models import SmallCNN
-from trainer.train import param_checksum
 
 from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
@@ -89,7 +89,7 @@ def test_sigkill_in_the_middle_of_a_sharded_save_resumes_from_the_previous_step(
     for p in ranks:
         p.kill()
         p.wait()
-    assert [m.name for m in ckpt.committed(folder)] == ["step_00000004.json"]
+    assert [m.name for m in layout.committed(folder)] == ["step_00000004.json"]
     resumed = ok(run_trainer(args, tmp_path, nproc=2))
     assert f"resumed from {folder / 'step_00000004'} at step 4" in resumed.stdout
     assert not list(folder.glob(".*.tmp")) and result_of(run)["global_step"] == 16
@@ -154,7 +154,7 @@ def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: P
 def test_async_sharded_saves_commit_the_same_state_as_sync_ones(tmp_path: Path, every4: Path) -> None:
     args = [*BUILTIN, "checkpoint.every_steps=4", "checkpoint.keep=20"]
     ok(run_trainer([*args, f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true"], tmp_path, nproc=2))
-    s, a = ckpt.committed(every4 / "checkpoints"), ckpt.committed(tmp_path / "async" / "checkpoints")
+    s, a = layout.committed(every4 / "checkpoints"), layout.committed(tmp_path / "async" / "checkpoints")
     assert [m.name for m in s] == [m.name for m in a] and len(a) == 4  # 16 steps, every 4
     for ms, ma in zip(s, a, strict=True):
         assert same(consolidated(ms.with_suffix(""))[1], consolidated(ma.with_suffix(""))[1]), ma
@@ -198,10 +198,10 @@ def test_activation_checkpointing_trains_the_same_model(tmp_path: Path, lm_runs:
 
 
 def test_memory_advice_and_oom_hints_know_about_fsdp() -> None:
-    from trainer.config import load
-    from trainer.env import DistEnv
-    from trainer.oom import out_of_memory
-    from trainer.sharding import memory_advice
+    from trainer.builtin.oom import out_of_memory
+    from trainer.core.config import load
+    from trainer.core.env import DistEnv
+    from trainer.doctor.checks import memory_advice
 
     gib80 = 80 * 2**30
     what, hint = memory_advice(7_000_000_000, "adamw", gib80, "ddp", 8) or ("", "")

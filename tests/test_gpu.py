@@ -47,7 +47,7 @@ def test_cpu_bf16_autocast_runs(tmp_path: Path) -> None:
 
 @needs_gpu
 def test_async_staging_of_gpu_state_is_pinned_host_memory() -> None:
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import file as ckpt
 
     staging = ckpt._Staging()
     w = torch.randn(256, 256, device="cuda")

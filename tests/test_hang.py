@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import heartbeat
-from trainer.env import DistEnv
-from trainer.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
+from trainer.core.env import DistEnv
+from trainer.runtime import heartbeat
+from trainer.runtime.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
 
 from .conftest import SMALL, faults, ok, run_trainer, spawn_ranks
 

@@ -32,7 +32,7 @@ def launch(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[
 
 
 def test_a_plain_ddp_script_gets_torchruns_variables_from_slurms(tmp_path: Path) -> None:
-    job_id = free_port() - 15000  # the port trainer.env derives from the job id is then free
+    job_id = free_port() - 15000  # the port trainer.core.env derives from the job id is then free
     assert job_id > 0
     # PATH without this venv: "python" must mean the job's interpreter, not the system's (which has no torch).
     procs = [launch(["--", "python", str(PLAIN), *HOSTILE],

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import help_text
-from trainer.errors import UserError
+from trainer.core.config import help_text
+from trainer.core.errors import UserError
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
@@ -264,7 +264,7 @@ def test_iterable_data_needs_max_steps(pkg: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_python_path_makes_a_package_importable_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.build import load_checked
+    from trainer.builtin.build import load_checked
 
     elsewhere, start = tmp_path / "code", tmp_path / "start"
     (elsewhere / "farpkg").mkdir(parents=True)

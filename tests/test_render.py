@@ -16,7 +16,7 @@ from cluster.command import Command, parse
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
 from cluster.submit import sbatch_script, submitit_script
-from trainer.errors import UserError
+from trainer.core.errors import UserError
 
 from .conftest import ROOT
 

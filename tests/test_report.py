@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from trainer.events import read
-from trainer.report import attempts, figures
+from trainer.core.events import read
+from trainer.runtime.attempts import attempts, figures
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
 from .test_tracking import run_files

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import file as ckpt
+from trainer.checkpoint import layout
 
 from .conftest import ROOT, faults, ok, result_of, run_trainer, spawn_ranks
 from .test_tracking import run_files
@@ -59,7 +60,7 @@ def test_char_lm_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkp
     for p in ranks:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    assert [m.name for m in ckpt.committed(folder)] == ["step_00000005.json"]
+    assert [m.name for m in layout.committed(folder)] == ["step_00000005.json"]
     proc = ok(run_trainer(args, tmp_path, nproc=2, script=CHAR_LM))
     assert "at step 5" in proc.stdout and result_of(run)["global_step"] == 24
 
@@ -138,7 +139,7 @@ def test_a_checkpoint_of_another_layout_is_refused_with_a_hint(tmp_path: Path) -
     script.write_text(textwrap.dedent(USER_LOOP))
     run = tmp_path / "run"
     ok(run_trainer([f"run.dir={run}", "tracking.mode=disabled"], tmp_path, script=script))
-    manifest = ckpt.committed(run / "checkpoints")[0]
+    manifest = layout.committed(run / "checkpoints")[0]
     path = manifest.with_suffix(".pt")
     state = torch.load(path, weights_only=True)
     state["version"] = 1  # as written before the session API
@@ -153,10 +154,78 @@ def test_what_a_checkpoint_could_not_load_back_is_refused_when_saving() -> None:
     import numpy as np
     import pytest
 
-    from trainer.session import check_plain
+    from trainer.runtime.session import check_plain
 
     check_plain({"seen": 3, "best": 0.5, "tags": ["a"], "w": torch.ones(2), "none": None}, "notes")
     with pytest.raises(TypeError, match=r"notes\['best'\] is a numpy.float64: checkpoints hold tensors"):
         check_plain({"best": np.float64(0.5)}, "notes")
     with pytest.raises(TypeError, match=r"notes\['dir'\] is a pathlib.PosixPath"):
         check_plain({"dir": Path("/x")}, "notes")
+
+
+LIFECYCLE = '''
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+import trainer
+
+# A session made where it cannot finish setting up (signal handlers need the main thread) leaves no process group.
+failed = []
+thread = threading.Thread(target=lambda: failed.append(_make()))
+
+
+def _make():
+    try:
+        trainer.Session(sys.argv[1:])
+    except ValueError as exc:
+        return str(exc)
+
+
+thread.start()
+thread.join()
+print("failed:", failed, "group left:", dist.is_initialized())
+
+
+def main() -> int:
+    with trainer.Session(sys.argv[1:]) as sess:
+        print("rank", sess.env.rank, "of", sess.env.world_size, "main", sess.is_main)
+        sess.log({"before_restore": 1.0}, 0)  # no run folder yet: printed, nothing else
+        try:
+            sess.save(1)
+        except RuntimeError as exc:
+            print("save before restore:", exc)
+        model = sess.wrap(torch.nn.Linear(2, 1))
+        gen = torch.Generator().manual_seed(1)  # the user's own generator, no wrapper of their own
+        start = sess.restore(model=model, gen=trainer.PerRank(gen))
+        draws = []
+        for step in sess.steps(start, 6):
+            draws.append(float(torch.rand(1, generator=gen)))
+            if sess.should_save(step):
+                sess.save(step)
+                if sess.preempted:
+                    break
+        print("draws", draws)
+        return sess.finish()
+
+
+trainer.main(main)
+'''
+
+
+def test_session_lifecycle_leaves_nothing_behind_and_a_generator_resumes_under_per_rank(tmp_path: Path) -> None:
+    script = tmp_path / "lifecycle.py"
+    script.write_text(LIFECYCLE)
+    ref = ok(run_trainer(["tracking.mode=disabled", f"run.dir={tmp_path / 'ref'}"], tmp_path, script=script))
+    assert "signal only works in main thread" in ref.stdout and "group left: False" in ref.stdout, ref.stdout
+    assert "rank 0 of 1 main True" in ref.stdout and "step 0: before_restore 1" in ref.stdout
+    assert "save before restore: call Session.restore(...) first" in ref.stdout
+    whole = eval(ref.stdout.split("draws ")[1].splitlines()[0])  # six draws of the user's generator
+    run = [f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+    first = ok(run_trainer(run, tmp_path, script=script, env=faults(preempt_at_step=2)), code=75)
+    second = ok(run_trainer(run, tmp_path, script=script))
+    before = eval(first.stdout.split("draws ")[1].splitlines()[0])
+    after = eval(second.stdout.split("draws ")[1].splitlines()[0])
+    assert before + after == whole, (before, after, whole)  # the generator went on where it was saved

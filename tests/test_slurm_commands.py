@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.env import expand_nodelist
-from trainer.report import attempts, figures
+from trainer.core.env import expand_nodelist
+from trainer.runtime.attempts import attempts, figures
 
 from .conftest import ROOT, faults, ok, result_of, run_trainer
 from .test_session import CHAR_LM, last_weights, same

@@ -16,8 +16,8 @@ from cluster import sweep, sweep_spec, sweep_status
 from cluster.__main__ import main as cluster_main
 from cluster.sweep_spec import SweepSpec, plan
 from cluster.sweep_status import status
-from trainer.config import load as load_train_config
-from trainer.files import write_json
+from trainer.core.config import load as load_train_config
+from trainer.core.files import write_json
 
 from .conftest import ROOT, SMALL, faults
 from .test_slurm import sh, slurm_env, wait_for

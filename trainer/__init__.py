@@ -1,11 +1,15 @@
 """DDP training that runs the same on a laptop, under torchrun, and on Slurm nodes.
 
-The public API for your own loop (see trainer/session.py and examples/char_lm/):
+The public API for your own loop (see trainer/runtime/session.py and examples/char_lm/):
 
 - ``Session(args)``: process group, device, signals and run folder from the environment and ``key=value`` overrides.
-- ``PerRank(obj)``: checkpoint an object whose state differs per rank.
+- ``PerRank(obj)``: checkpoint an object whose state differs per rank (or a ``torch.Generator``).
 - ``Task``: the protocol a ``task.target`` implements for the built-in loop.
 - ``main(fn)``: run ``fn()`` and exit with its code; bad input prints its error and HINT and exits 2.
+- ``UserError``: raise it for bad input of your own (field, message, hint); ``main`` prints it and exits 2.
+
+The packages, each importing only those below it: ``builtin`` and the tools (``doctor``, ``report``, ``export``,
+``launch``) → ``runtime`` → ``checkpoint``, ``testing`` → ``core`` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -13,26 +17,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["PerRank", "Session", "Task", "main"]
+__all__ = ["PerRank", "Session", "Task", "UserError", "main"]
 
 if TYPE_CHECKING:
-    from trainer.entry import main
-    from trainer.session import PerRank, Session
-    from trainer.task import Task
+    from trainer.builtin.task import Task
+    from trainer.core.errors import UserError, main
+    from trainer.runtime.session import PerRank, Session
+
+# Imported on first use: `import trainer` loads no torch, so `python -m trainer` checks its config and the
+# command-line tools start before torch is loaded.
+_EXPORTS = {"Session": "trainer.runtime.session", "PerRank": "trainer.runtime.session", "Task": "trainer.builtin.task",
+            "main": "trainer.core.errors", "UserError": "trainer.core.errors"}
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use: `python -m trainer` checks its config before torch is loaded.
-    if name in ("Session", "PerRank"):
-        from trainer import session
+    if name in _EXPORTS:
+        import importlib
 
-        return getattr(session, name)
-    if name == "Task":
-        from trainer.task import Task
-
-        return Task
-    if name == "main":
-        from trainer.entry import main
-
-        return main
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from trainer import config as config_mod
-from trainer.env import discover
-from trainer.errors import EXIT_BAD_INPUT, UserError, exit_now
+from trainer.core import config as config_mod
+from trainer.core.env import discover
+from trainer.core.errors import exit_code_of, exit_now
 
 
 def run(args: list[str]) -> dict[str, Any]:
@@ -15,7 +15,7 @@ def run(args: list[str]) -> dict[str, Any]:
     # Config and environment are checked before torch is even imported: bad input fails fast.
     cfg = config_mod.load(args)
     discover()
-    from trainer.train import fit
+    from trainer.builtin.train import fit
 
     return fit(cfg)
 
@@ -26,12 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in args):
         print(config_mod.help_text())
         return 0
-    try:
-        result = run(args)
-    except UserError as err:
-        print(err.render(), file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    return int(result["exit_code"])
+    return exit_code_of(lambda: int(run(args)["exit_code"]))
 
 
 if __name__ == "__main__":

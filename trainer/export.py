@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from trainer.errors import EXIT_BAD_INPUT, UserError
-from trainer.files import write_atomic
+from trainer.core.errors import UserError, exit_code_of
+from trainer.core.files import write_atomic
 
 
 def _sharded(folder: Path, key: str) -> dict[str, torch.Tensor]:
@@ -34,7 +34,7 @@ def _sharded(folder: Path, key: str) -> dict[str, torch.Tensor]:
 
 def consolidated(target: Path, key: str = "model") -> tuple[Path, dict[str, torch.Tensor]]:
     """The checkpoint chosen under ``target`` and its ``key`` state as plain, whole tensors."""
-    from trainer.checkpoint import find_resumable
+    from trainer.checkpoint.layout import find_resumable
 
     try:
         found = find_resumable(target)
@@ -59,19 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the file to write (torch.save of a plain state_dict)")
     parser.add_argument("--key", default="model", help="which restored object to export (default: model)")
     ns = parser.parse_args(argv)
+    return exit_code_of(lambda: export(ns.source, ns.out, ns.key))
+
+
+def export(source: Path, out: Path, key: str) -> int:
+    """Write the restored object ``key`` of ``source``'s newest checkpoint to ``out`` as a plain state_dict."""
+    path, state = consolidated(source, key)
+    plain = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     try:
-        path, state = consolidated(ns.source, ns.key)
-        plain = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        try:
-            ns.out.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(ns.out, _serialized(plain))
-        except OSError as exc:
-            raise UserError("OUT", f"cannot write {str(ns.out)!r} ({exc.strerror})", "choose a writable path") from None
-    except UserError as err:
-        print(err.render(), file=sys.stderr)
-        return EXIT_BAD_INPUT
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, _serialized(plain))
+    except OSError as exc:
+        raise UserError("OUT", f"cannot write {str(out)!r} ({exc.strerror})", "choose a writable path") from None
     count = sum(v.numel() for v in plain.values() if isinstance(v, torch.Tensor))
-    print(f"exported {ns.key!r} of {path}: {len(plain)} tensors, {count:,} values → {ns.out}")
+    print(f"exported {key!r} of {path}: {len(plain)} tensors, {count:,} values → {out}")
     return 0
 
 

@@ -3,7 +3,7 @@
 What `make submit CMD=…` runs in every task (and submitit's command task calls :func:`run`):
 
 - the command gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
-  computed by :mod:`trainer.env` from Slurm's, so an unmodified ``init_process_group()`` script runs on many nodes;
+  computed by :mod:`trainer.core.env` from Slurm's, so an unmodified ``init_process_group()`` script runs on many nodes;
   with ``--torchrun N`` it is started by torchrun's agent instead (N processes on this node, c10d rendezvous);
 - a leading ``python``/``python3`` word means this interpreter (the job's venv or image), not whatever PATH finds;
 - the warning signal (USR1/USR2) starts out ignored in the command, so a script that does not handle it keeps
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from trainer.env import DistEnv, discover, job_info, torchrun_environ
-from trainer.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, UserError
-from trainer.files import write_atomic
+from trainer.core.env import DistEnv, discover, job_info, torchrun_environ
+from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of
+from trainer.core.files import write_atomic
 
 STOP_WAIT_S = 10.0
 """After stopping a command (TERM), seconds before it is killed."""
@@ -69,7 +69,7 @@ class Watch:
 
 def _mark_requeue(env: DistEnv, reason: str) -> None:
     """Rank 0 leaves the requeue marker in $RUN_DIR (unless the command left its own)."""
-    from trainer.rundir import REQUEUE_MARKER  # here: importing it imports torch, which the wrapper needs no more
+    from trainer.runtime.rundir import REQUEUE_MARKER  # here: importing it imports torch, which the wrapper needs no more
 
     run_dir = job_info().run_dir
     if env.rank or env.node_rank or not run_dir:
@@ -134,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     ns = parser.parse_args(argv)
     cmd = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
-    try:
-        if ns.signal.removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT", "HUP"):
-            raise UserError("--signal", f"unsupported signal {ns.signal!r}", "USR2 (the profiles' default)")
-        return run(cmd, ns.signal, ns.requeue_after, ns.torchrun)
-    except UserError as err:
-        print(err.render(), file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return exit_code_of(lambda: _start(cmd, ns))
+
+
+def _start(cmd: list[str], ns: argparse.Namespace) -> int:
+    if ns.signal.removeprefix("SIG") not in ("USR1", "USR2", "TERM", "INT", "HUP"):
+        raise UserError("--signal", f"unsupported signal {ns.signal!r}", "USR2 (the profiles' default)")
+    return run(cmd, ns.signal, ns.requeue_after, ns.torchrun)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer import train
-from trainer.config import load
+from trainer.builtin import train
+from trainer.core.config import load
 
 READ = torch.ops.aten._local_scalar_dense.default
 counts = {"reads": 0, "windows": 0}

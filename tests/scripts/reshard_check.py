@@ -13,8 +13,8 @@ import sys
 import torch
 
 import trainer
-from trainer.models import SmallCNN
-from trainer.train import param_checksum
+from trainer.builtin.models import SmallCNN
+from trainer.builtin.train import param_checksum
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 import torch.distributed as dist
 
 import trainer
-from trainer.data import build_data
+from trainer.builtin.data import build_data
 
 with trainer.Session(["data.synthetic_train_size=100", "data.synthetic_test_size=10", "train.device=cpu"]) as sess:
     data = build_data(sess.cfg)

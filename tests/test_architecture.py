@@ -1,0 +1,70 @@
+"""The dependency rule (docs/architecture.md) as checked contracts: the real tree keeps them, planted violations break
+them, and the command-line tools start without torch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, clean_env
+
+LINT = Path(sys.executable).parent / "lint-imports"
+
+
+def lint(tree: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LINT), "--no-cache"], cwd=tree, env=clean_env({"PYTHONPATH": str(tree)}),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_tree_keeps_every_contract() -> None:
+    proc = lint(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout
+
+
+PLANTED = [  # (file, line added, what the report must say)
+    ("trainer/runtime/loader.py", "from trainer.builtin import train",
+     "trainer.runtime is not allowed to import trainer.builtin"),
+    ("trainer/core/files.py", "def f():\n    import trainer.runtime.session",  # a function-level import counts
+     "trainer.core is not allowed to import trainer.runtime"),
+    ("trainer/runtime/fsdp.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.doctor.run",
+     "trainer.runtime is not allowed to import trainer.doctor"),
+    ("trainer/builtin/oom.py", "import trainer.checkpoint.layout",
+     "trainer.builtin is not allowed to import trainer.checkpoint"),
+    ("trainer/report.py", "import trainer.export", "trainer.report is not allowed to import trainer.export"),
+    ("trainer/core/env.py", "import cluster.profile", "trainer is not allowed to import cluster"),
+    ("trainer/checkpoint/layout.py", "def f():\n    import trainer.checkpoint.file",
+     "No cycles are allowed in trainer.checkpoint"),
+    ("cluster/trials.py", "def f():\n    import cluster.sweep_status", "No cycles are allowed in cluster"),
+]
+
+
+@pytest.mark.parametrize(("where", "line", "said"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_violation_breaks_the_check(tmp_path: Path, where: str, line: str, said: str) -> None:
+    for part in ("trainer", "cluster", "benchmarks", ".importlinter"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
+        copy(ROOT / part, tmp_path / part)
+    with open(tmp_path / where, "a") as f:
+        f.write(f"\n\n{line}  # planted\n")
+    proc = lint(tmp_path)
+    assert proc.returncode == 1 and said in " ".join(proc.stdout.split()), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["-c", "import trainer; trainer.UserError"], ["-m", "cluster", "--help"],
+                                  ["-m", "trainer.report", "--help"], ["-m", "trainer.launch", "--help"]])
+def test_command_line_tools_start_without_torch(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in loaded and "matplotlib" not in loaded
+
+
+def test_no_module_is_over_400_lines() -> None:
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines())
+             for part in ("trainer", "cluster", "benchmarks") for p in (ROOT / part).rglob("*.py")}
+    assert not {p: n for p, n in sizes.items() if n > 400}

@@ -1,0 +1,59 @@
+"""Resume: find the newest complete checkpoint (rank 0 verifies it and reads it once; each other rank reads it once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.layout import EXTRA, find_resumable
+from trainer.core.config import Config
+from trainer.core.dist import on_main
+from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+
+
+@dataclass
+class Resumed:
+    """A checkpoint chosen for this run, with its state as read from disk."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
+    """The checkpoint ``checkpoint.resume`` points to (the run's own newest one wins), or None."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    explicit = None if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+    verified: dict[str, Any] = {}
+
+    def pick() -> str | None:
+        # The run's own newest checkpoint wins: a requeued job that was started from PATH continues
+        # from where it got to, not from PATH again.
+        for target in [run_dir, *([explicit] if explicit else [])]:
+            try:
+                found = find_resumable(target)
+            except Exception as exc:
+                raise UserError("checkpoint.resume", f"cannot read {str(target)!r} ({exc})",
+                                "pass a checkpoint file or run folder written by this trainer") from None
+            if found:
+                verified["state"] = found[1]  # rank 0 read the file once to verify it: that read is the load
+                return str(found[0])
+        if explicit:
+            raise UserError("checkpoint.resume", f"no complete checkpoint in {str(explicit)!r}",
+                            "pass a step_*.pt file or step_* folder with its .json manifest, or a run folder holding "
+                            "checkpoints/")
+        return None
+
+    # Rank 0 picks (and verifies) the checkpoint, so warnings appear once and all ranks load the same one.
+    chosen = on_main(env.is_main, pick)
+    if chosen is None:
+        return None
+    # A sharded checkpoint is a folder: here its small extra.pt; models and optimizers load collectively later.
+    source = Path(chosen) / EXTRA if Path(chosen).is_dir() else chosen
+    state = verified.get("state") or torch.load(source, map_location="cpu", weights_only=True)
+    return Resumed(Path(chosen), state)
+

@@ -1,0 +1,383 @@
+"""Typed configuration: dataclass defaults ← packaged YAML ← user YAML ← ``key=value`` overrides.
+
+Every field carries a docstring; ``python -m trainer --help`` prints them. Any bad key, type or
+value becomes a :class:`UserError` naming the key, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import signal
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.core.errors import UserError
+from trainer.core.files import load_yaml
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    """Built-in data set: synthetic (no download), mnist, cifar10 or imagefolder; ignored when data.target is set."""
+    target: str | None = None
+    """Your data: import path (pkg.mod:build or pkg.mod.build) of a function returning (train, eval) data sets
+    (eval may be None); map-style sets get the exact-resume sampler, iterable ones need train.max_steps."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for data.target, e.g. data.kwargs.path=/data/x."""
+    root: str | None = None
+    """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
+    batch_size: int = 32
+    """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum."""
+    num_workers: int = -1
+    """DataLoader worker processes per rank; 0 loads in the training process; -1 (auto): 0 for the in-memory
+    synthetic set, else up to 4, leaving each process's share of cores one core to compute on."""
+    synthetic_train_size: int = 8192
+    """Training samples of the synthetic data set."""
+    synthetic_test_size: int = 2048
+    """Test samples of the synthetic data set."""
+    synthetic_noise: float = 6.0
+    """Noise level of the synthetic data set: higher is harder."""
+    image_size: int = 28
+    """Side of the square images fed to the model (synthetic and imagefolder)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "cnn"
+    """Built-in model: cnn (the small conv net, 1→10→10 conv, fc to classes) or any torchvision classification
+    model by name (resnet18, vgg16, mobilenet_v3_small, …; untrained); ignored when model.target is set."""
+    target: str | None = None
+    """Your model: import path (pkg.mod:Class or pkg.mod.factory) of an nn.Module class or a function returning one."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for model.target (or extra ones for a torchvision model), e.g. model.kwargs.depth=6."""
+    num_classes: int = 10
+    """Number of output classes of the built-in models (imagefolder: must match the number of class folders)."""
+    small_input_stem: bool = True
+    """torchvision models on small images (< 64 px): resnets get a 3×3 stride-1 first conv and no max-pool, VGGs
+    lose their last max-pool, so 28–32 px inputs keep a spatial extent."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    """Optimizer: sgd (with momentum) or adamw."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warm-up: cosine (to zero) or constant."""
+    warmup_steps: int = 20
+    """Optimizer steps of linear warm-up."""
+    grad_accum: int = 1
+    """Micro-steps accumulated per optimizer step (gradients are all-reduced only on the last)."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+
+@dataclass
+class TaskConfig:
+    target: str | None = None
+    """How a batch becomes a loss and evaluation metrics: import path of a class or factory returning a Task
+    (see trainer/builtin/task.py); default: image classification (cross-entropy, accuracy)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for task.target."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    """Passes over the training data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: train.epochs decides); required for iterable data sets."""
+    eval_every: int = 0
+    """Optimizer steps between evaluations; 0: at each epoch end (map-style data) and at the end of training."""
+    seed: int = 0
+    """Seed for data, initial weights and shuffling; equal seeds give equal runs."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + GradScaler, CUDA only)."""
+    compile: bool = False
+    """Wrap the model in torch.compile (meant for CUDA)."""
+    log_every: int = 50
+    """Optimizer steps between log lines when there is no terminal for a progress bar."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower on GPUs; CPU runs are deterministic anyway). On GPUs this
+    sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless already set, as cuBLAS requires."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cpu or cuda."""
+    checksum: bool = False
+    """At the end, hash every parameter on every rank into result.json (a full model copy to the CPU: for tests)."""
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    """Process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo."""
+    timeout_s: float = 300.0
+    """Seconds a collective (or the rendezvous) may wait for a peer before the job fails."""
+    heartbeat_timeout_s: float = -1.0
+    """Seconds of no progress on a rank (after step 1) before a hang report names the stuck ranks; -1: 0.8 × timeout_s; 0: off."""
+    strategy: str = "ddp"
+    """ddp (each rank holds the whole model) or fsdp (FSDP2: parameters, gradients and optimizer state split across
+    ranks, for models bigger than one GPU; checkpoints are then sharded)."""
+    activation_checkpointing: bool = False
+    """fsdp: recompute each sharded block's activations in the backward pass (less memory, about a third more compute)."""
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The heartbeat timeout in effect (auto resolved); 0 when off."""
+        return 0.8 * self.timeout_s if self.heartbeat_timeout_s < 0 else self.heartbeat_timeout_s
+
+
+@dataclass
+class CheckpointConfig:
+    resume: str = "auto"
+    """auto (newest complete checkpoint in the run folder, if any), never, or a checkpoint path."""
+    every_steps: int = 0
+    """Save every N optimizer steps; 0 turns step-based saves off."""
+    every_minutes: float = 0.0
+    """Save when this many minutes have passed since the last save; 0 turns it off."""
+    keep: int = 3
+    """Complete checkpoints kept in the run folder (older ones are deleted)."""
+    async_save: bool = False
+    """Write periodic checkpoints in a background thread; training pauses only to copy the state into host
+    buffers kept for the run (one extra host copy of the model and optimizer state)."""
+    signal: str = "SIGUSR2"
+    """Signal that asks for save-and-requeue (SIGTERM always does too)."""
+    poll_steps: int = 10
+    """Optimizer steps between the ranks' checks for a signal or a timed save (and at every epoch end)."""
+    format: str = "auto"
+    """file (rank 0 writes one file), dcp (every rank writes its share: torch.distributed.checkpoint, a folder per
+    step, loadable onto any number of processes), or auto (dcp with dist.strategy=fsdp, else file)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str | None = None
+    """Run folder (config, checkpoints, results). Default: $RUN_DIR (set by the batch script), else
+    runs/<Slurm job id>, else runs/<time stamp>."""
+    name: str | None = None
+    """Human-readable run name (tracking); default: the run folder's name."""
+    python_path: list[str] = field(default_factory=list)
+    """Folders to make importable for model/data/task targets (the folder the job starts from always is)."""
+
+
+@dataclass
+class TrackingConfig:
+    mode: str = "auto"
+    """W&B: online, offline (sync later with `make sync`), disabled, or auto (offline without a key or a route out)."""
+    project: str = "slurm-ddp-trainer"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); default: the key's default entity."""
+    group: str | None = None
+    """Run group; default: the Slurm array job id (a sweep), else the Slurm job name."""
+    tags: list[str] = field(default_factory=list)
+    """Extra tags; Slurm job id, node and process counts are added."""
+    dir: str | None = None
+    """Folder W&B writes into; default: the run folder."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input data."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Network."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Loss and evaluation metrics."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Process group."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and preemption."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run folder."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Weights & Biases run tracking (rank 0 only)."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.name": ("synthetic", "mnist", "cifar10", "imagefolder"),
+    "optim.name": ("sgd", "adamw"),
+    "optim.schedule": ("cosine", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.strategy": ("ddp", "fsdp"),
+    "checkpoint.format": ("auto", "file", "dcp"),
+    "tracking.mode": ("auto", "online", "offline", "disabled"),
+}
+
+POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test_size", "data.image_size",
+            "model.num_classes", "optim.lr", "optim.grad_accum", "train.epochs", "train.log_every",
+            "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
+NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
+                "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
+                "train.max_steps", "train.eval_every")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = nxt.value.value
+    return docs
+
+
+def help_text() -> str:
+    """Every key with its default and docstring, for ``--help``."""
+    lines = ["usage: python -m trainer [config=FILE.yaml] [key=value ...]", ""]
+    default = Config()
+    for group in fields(Config):
+        sub = getattr(default, group.name)
+        lines.append(f"{group.name}:")
+        docs = field_docs(type(sub))
+        for f in fields(sub):
+            key = f"{group.name}.{f.name}"
+            lines.append(f"  {key}={getattr(sub, f.name)!s:<12} {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _err(key: str, message: str, hint: str | None = None) -> UserError:
+    return UserError(key, message, hint or "see `python -m trainer --help` for every key and its meaning")
+
+
+def _yaml(path: Path, key: str) -> DictConfig:
+    return load_yaml(path, key, "pass an existing YAML file, e.g. config=my.yaml")
+
+
+def _config_path(value: str) -> Path:
+    """``config=cifar10`` names a packaged preset; anything else is a file path."""
+    packaged = Path(str(resources.files("trainer") / "configs" / f"{value}.yaml"))
+    return packaged if "/" not in value and not value.endswith(".yaml") and packaged.is_file() else Path(value)
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    msg = str(exc).splitlines()[0]
+    return msg.replace("Key ", "key ").rstrip(".")
+
+
+def load(args: list[str]) -> Config:
+    """Build the config from ``config=FILE`` and ``key=value`` arguments; raise UserError on bad input."""
+    files: list[str] = []
+    overrides: list[str] = []
+    for arg in args:
+        if "=" not in arg or arg.startswith("="):
+            raise _err(repr(arg), "arguments must look like key=value", "e.g. `optim.lr=0.05 data.batch_size=64`")
+        (files if arg.split("=", 1)[0] == "config" else overrides).append(arg)
+    cfg = OmegaConf.structured(Config)
+    layers: list[tuple[str, DictConfig]] = []
+    with resources.as_file(resources.files("trainer") / "configs" / "default.yaml") as packaged:
+        layers.append(("configs/default.yaml", _yaml(packaged, "config")))
+    layers += [(f, _yaml(_config_path(f.split("=", 1)[1]), "config")) for f in files]
+    for name, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as exc:
+            key = exc.full_key if getattr(exc, "full_key", None) else name
+            raise _err(str(key), f"in {name}: {_describe(exc)}") from None
+    for item in overrides:
+        key, value = item.split("=", 1)
+        free = key in FREE_FORM or key.startswith(tuple(f"{k}." for k in FREE_FORM))  # the user's own kwargs
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING and not free:
+            group = key.split(".")[0]
+            valid = [f.name for f in fields(Config)]
+            hint = (f"valid keys under {group!r}: {', '.join(sorted(cfg[group].keys()))}" if group in valid
+                    else f"keys start with one of: {', '.join(valid)}")
+            raise _err(key, "unknown key", hint)
+        if isinstance(OmegaConf.select(cfg, key), DictConfig) and not free:
+            raise _err(key, "is a group, not a value", "set one of its keys, e.g. optim.lr=0.1")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise _err(key, f"bad value {value!r}: {_describe(exc)}") from None
+    conf: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(conf)
+    return conf
+
+
+_MISSING = object()
+FREE_FORM = ("model.kwargs", "data.kwargs", "task.kwargs")
+"""Mappings whose keys are the user's (a factory's parameters): any key may be set under them."""
+
+
+def _get(cfg: Config, key: str) -> Any:
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def validate(cfg: Config) -> None:
+    """Reject values no run can use, naming the key."""
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise _err(key, f"must be one of {', '.join(choices)}; got {_get(cfg, key)!r}", f"e.g. {key}={choices[0]}")
+    for key in POSITIVE:
+        v = _get(cfg, key)
+        if not (v > 0 and math.isfinite(v)):
+            raise _err(key, f"must be > 0, got {v}", f"pass a positive number, e.g. {key}={_get(Config(), key)}")
+    for key in NON_NEGATIVE:
+        v = _get(cfg, key)
+        if not (v >= 0 and math.isfinite(v)):
+            raise _err(key, f"must be >= 0, got {v}", f"pass zero or a positive number, e.g. {key}=0")
+    if cfg.data.num_workers < -1:
+        raise _err("data.num_workers", f"must be >= -1, got {cfg.data.num_workers}", "-1 (auto), 0, or a count")
+    if cfg.data.name != "synthetic" and not cfg.data.root and not cfg.data.target:
+        raise _err("data.root", f"is required for data.name={cfg.data.name}",
+                   "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
+    if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
+        raise _err("train.precision", "fp16 needs CUDA (GradScaler)", "use train.precision=bf16 or fp32 on the CPU")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
+        raise _err("checkpoint.resume", f"{cfg.checkpoint.resume!r} does not exist",
+                   "pass auto, never, or the path of a checkpoint file or run folder")
+    if not (cfg.dist.heartbeat_timeout_s == -1 or 0 <= cfg.dist.heartbeat_timeout_s < math.inf):
+        raise _err("dist.heartbeat_timeout_s", f"must be -1 (auto), 0 (off) or seconds, got {cfg.dist.heartbeat_timeout_s}",
+                   "e.g. dist.heartbeat_timeout_s=-1")
+    if cfg.dist.heartbeat_timeout_s >= cfg.dist.timeout_s:
+        raise _err("dist.heartbeat_timeout_s", f"is {cfg.dist.heartbeat_timeout_s:g} s, not below dist.timeout_s="
+                   f"{cfg.dist.timeout_s:g}: collectives would time out first, without saying which rank is stuck",
+                   f"e.g. dist.heartbeat_timeout_s={0.8 * cfg.dist.timeout_s:g}, or 0 to turn hang reports off")
+    if cfg.dist.strategy == "fsdp" and cfg.checkpoint.format == "file":
+        raise _err("checkpoint.format", "file cannot hold a model sharded across ranks (dist.strategy=fsdp)",
+                   "use checkpoint.format=auto or dcp; `python -m trainer.export` makes one file for inference")
+    if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
+        raise _err("train.precision", "fp16 (GradScaler) is not supported with dist.strategy=fsdp",
+                   "use train.precision=bf16: parameters in bf16, gradients reduced in fp32")
+    if cfg.dist.activation_checkpointing and cfg.dist.strategy != "fsdp":
+        raise _err("dist.activation_checkpointing", "applies to the blocks FSDP shards", "add dist.strategy=fsdp")
+    sig = getattr(signal, cfg.checkpoint.signal, None)
+    if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, saved beside each run."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain containers (for checkpoints and W&B)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from its saved form (e.g. inside a checkpoint)."""
+    conf: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore[assignment]
+    return conf
+

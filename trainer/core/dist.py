@@ -1,0 +1,164 @@
+"""Process group: nccl on CUDA, gloo on CPU; bounded timeouts; one device per process."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.core.config import Config
+from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+
+_HOST_GROUP: Any = None
+
+
+def pick_device(env: DistEnv, want: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` (or the one GPU this task sees) when CUDA is there and wanted, else the CPU."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UserError("train.device", "cuda was asked for but no GPU is visible", "use train.device=cpu or auto")
+    if env.local_rank < count:
+        return torch.device("cuda", env.local_rank)
+    if count == 1:  # Slurm's --gpus-per-task / gpu binding shows each task only its own GPU
+        return torch.device("cuda", 0)
+    raise UserError("LOCAL_RANK", f"local rank {env.local_rank} has no GPU: {count} visible",
+                    "start at most one process per GPU on each node (ntasks-per-node = gpus-per-node)")
+
+
+def resolve_master(env: DistEnv) -> str:
+    """MASTER_ADDR's address as this node resolves it; a UserError (with the fix) when it does not."""
+    try:
+        return str(socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        raise UserError(
+            "MASTER_ADDR",
+            f"host {env.master_addr!r} does not resolve on {socket.gethostname()}",
+            "every node must resolve the first node's name (DNS or /etc/hosts), or set MASTER_ADDR to its IP",
+        ) from None
+
+
+def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
+    """Join the process group of all ranks; a lone process gets an in-memory group (no port needed)."""
+    global _HOST_GROUP
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("dist.backend", "nccl needs CUDA devices", "use dist.backend=gloo (or auto) on the CPU")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    _join(env, backend, timeout, device)
+    # Collective: every rank makes it here, in the same order. gloo's default group already works on host tensors.
+    _HOST_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+
+def host_group() -> Any:
+    """The group for small agreements between ranks on host tensors (flags): reading its answer never waits for the
+    GPU's queued work, as reading a device tensor would. ``None`` (the default group) under gloo."""
+    return _HOST_GROUP
+
+
+def _join(env: DistEnv, backend: str, timeout: timedelta, device: torch.device) -> None:
+    resolve_master(env)  # without this check the rendezvous retries an unknown host for many minutes
+    if env.rank == 0 and not env.agent:  # rank 0 will listen on MASTER_PORT: taken means another job has it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the store's own socket: connections of an earlier rendezvous on this port (the doctor's, a previous
+            # attempt's) linger in TIME_WAIT and must not count; a listening socket still does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", env.master_port))
+            except OSError as exc:
+                raise _port_error(env, f"cannot listen on it ({exc.strerror})") from None
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError: refused, reset, timed out
+        raise _port_error(env, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]) from None
+
+
+def _port_error(env: DistEnv, what: str) -> UserError:
+    return UserError("MASTER_PORT", f"rank {env.rank}: the rendezvous at {env.master_addr}:{env.master_port} failed: "
+                     f"{what}", f"another process on {env.master_addr} may hold port {env.master_port} (two jobs on "
+                     "one node with the same MASTER_PORT?): unset MASTER_PORT to derive one from the job id, or set "
+                     "a free one (15000-29999); if rank 0 died first, its own error is the cause")
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    torch.distributed.barrier()
+
+
+def teardown() -> None:
+    """Leave the process group (safe to call when none was made)."""
+    global _HOST_GROUP
+    _HOST_GROUP = None
+    if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo" and dist.get_world_size() > 1
+        dist.destroy_process_group()
+        if gloo:
+            # gloo's worker threads may still hold the last collectives' tensors, whose release needs the GIL:
+            # released here while the interpreter is alive (see errors.exit_now for what happens otherwise).
+            # `python -m trainer` then skips finalization anyway; this narrows the window for in-process
+            # callers such as the submitit task, which must return its result through Python.
+            time.sleep(0.2)
+
+
+def say(env: DistEnv, msg: str) -> None:
+    """Print from rank 0 only; everything a user reads goes through here."""
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def from_main(box: list[Any]) -> None:
+    """Give every rank rank 0's ``box`` contents, in place (a barrier too); with one process there is nothing to send."""
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+
+
+def on_main(is_main: bool, fn: Callable[[], Any], what: str = "rank 0") -> Any:
+    """Collective: run ``fn`` on rank 0 and hand its result, or its UserError, to every rank: no rank is left waiting
+    (a barrier too). Rank 0 re-raises any other error; the others raise a RuntimeError naming it and ``what``."""
+    box: list[Any] = [None]
+    if is_main:
+        try:
+            box[0] = ("ok", fn())
+        except UserError as err:
+            box[0] = ("error", (err.field, err.message, err.hint))
+        except Exception as exc:  # re-raised on rank 0 with its traceback, reported on the others
+            box[0] = ("crash", f"{type(exc).__name__}: {exc}")
+            from_main(box)
+            raise
+    from_main(box)
+    kind, value = box[0]
+    if kind == "error":
+        raise UserError(*value)
+    if kind == "crash":
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's object, in rank order, on every rank."""
+    if dist.get_world_size() == 1:  # no pickling round trip for one process
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

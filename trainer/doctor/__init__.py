@@ -1,0 +1,1 @@
+"""``python -m trainer.doctor``: preflight checks on every rank (GPUs, rendezvous, run folder, all-reduce, W&B)."""

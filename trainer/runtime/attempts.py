@@ -1,0 +1,104 @@
+"""A run's attempts and its goodput, read from its event log (``events.jsonl``).
+
+Goodput is productive node-time over allocated node-time: allocated is each attempt's lifetime (from its batch
+script's start when known, else its process's) × nodes; productive is its training time less checkpoint stalls and
+less the steps the next attempt had to compute again (those after the last checkpoint it resumed from).
+``gap_before_s``: time between attempts (queued, restarting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.core.events import read
+
+
+@dataclass
+class Attempt:
+    """One start of the job (a requeue or a restart begins the next)."""
+
+    start: float
+    info: dict[str, Any]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def times(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+    @property
+    def end(self) -> float:
+        """The exit event's time, or the last event's (an attempt killed without one)."""
+        return max([self.start, *(e["t"] for e in self.events)])
+
+    @property
+    def exit_code(self) -> Any:
+        """The loop's exit code, else the batch script's view of the tasks' (job_end), else "killed"."""
+        exits = self.times("exit") or self.times("job_end")
+        return exits[0]["code"] if exits else "killed"
+
+    @property
+    def first_step_t(self) -> float | None:
+        first = self.times("first_step")
+        return first[0]["t"] if first else None
+
+    @property
+    def last_step(self) -> int:
+        steps = [e["step"] for e in self.events if isinstance(e.get("step"), int)]
+        return max([int(self.info.get("resumed_step") or 0), *steps])
+
+    @property
+    def stall_s(self) -> float:
+        return sum(float(e.get("stall_s", 0.0)) for e in self.times("checkpoint"))
+
+
+def attempts(run_dir: Path) -> list[Attempt]:
+    """The run's attempts in order, each with its events: the session's (``attempt``), or for a command that does
+    not use it, the batch script's (``job_start``/``job_end``). An attempt starts when its batch script did, if known."""
+    events = list(read(run_dir))
+    session = any(e["event"] == "attempt" for e in events)
+    out: list[Attempt] = []
+    batch_start: float | None = None
+    for e in events:
+        if e["event"] == "job_start":
+            batch_start = e["t"]
+            if not session:
+                out.append(Attempt(e["t"], {**e, "resumed_step": None}))
+        elif e["event"] == "attempt":
+            started = float(e.get("started", e["t"]))
+            out.append(Attempt(min(started, batch_start) if batch_start else started, e))
+            batch_start = None
+        elif out:
+            out[-1].events.append(e)
+    return out
+
+
+def figures(runs: list[Attempt]) -> dict[str, Any]:
+    """The report's table as numbers (see the module docstring for the arithmetic)."""
+    rows, alloc, productive = [], 0.0, 0.0
+    for i, a in enumerate(runs):
+        nodes = int(a.info.get("nodes") or 1)
+        allocated = a.end - a.start
+        startup = (a.first_step_t - a.start) if a.first_step_t else allocated
+        training = (a.end - a.first_step_t) if a.first_step_t else 0.0
+        done = a.last_step - int(a.info.get("resumed_step") or 0)
+        step_s = training / done if done > 0 else 0.0
+        resumed_next = int(runs[i + 1].info.get("resumed_step") or 0) if i + 1 < len(runs) else a.last_step
+        lost = max(0, a.last_step - resumed_next)
+        useful = max(0.0, training - a.stall_s - lost * step_s)
+        alloc += allocated * nodes
+        productive += useful * nodes
+        rows.append({"attempt": i + 1, "job_id": a.info.get("job_id"), "restart": a.info.get("restart"),
+                     "nodes": nodes, "processes": a.info.get("processes"), "resumed_step": a.info.get("resumed_step"),
+                     "last_step": a.last_step, "exit": a.exit_code, "allocated_s": allocated, "startup_s": startup,
+                     "training_s": training, "stall_s": a.stall_s, "lost_steps": lost, "lost_s": lost * step_s,
+                     "productive_s": useful, "gap_before_s": a.start - runs[i - 1].end if i else 0.0})
+    return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
+            "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
+            "stall_s": sum(r["stall_s"] for r in rows)}
+
+
+def summary(f: dict[str, Any]) -> dict[str, float]:
+    """The figures a tracker's run summary keeps (goodput and what it is made of)."""
+    return {"goodput": f["goodput"], "productive_node_s": f["productive_node_s"],
+            "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"]}

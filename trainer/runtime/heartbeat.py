@@ -1,0 +1,214 @@
+"""Hang diagnostics: per-rank heartbeats and one report naming the stuck rank(s), with every rank's stacks.
+
+Every rank beats at the same points of each step (data → forward → backward → optimizer → flag all-reduce),
+so ``seq``, the count of those beats, is comparable across ranks. When a rank goes silent past the timeout,
+its watchdog thread writes ``<run>/hang/rank_<r>.txt`` (its Python stacks, by faulthandler) and
+``rank_<r>.json`` (its last beat). Ranks that wait in a collective for a stuck peer go silent too, but they
+got further: the stuck ranks are the ones with the lowest ``seq``. Rank 0 collects the files, writes
+``report.txt``, prints it once, and every rank exits with :data:`EXIT_HANG`. On NCCL each rank also dumps the
+flight recorder (its recent collectives) to ``nccl_trace_rank_<r>.pkl``: torch dumps it only on a collective
+timeout, which this exit comes before. A new attempt in the same run folder first moves an old ``hang/`` aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.core.env import DistEnv
+from trainer.core.files import write_atomic, write_json
+
+EXIT_HANG = 3
+"""Exit code after a hang report (no step finished for ``dist.heartbeat_timeout_s`` on some rank)."""
+
+HANG_FOLDER = "hang"
+"""The run folder's subfolder for the hang report and every rank's files."""
+
+NCCL_DUMP_TIMEOUT_S = 5.0
+"""How long a rank waits for NCCL's flight recorder dump before it reports without it."""
+
+
+class Heartbeat:
+    """This rank's heartbeat and the watchdog thread that reports when it stops."""
+
+    def __init__(self, env: DistEnv, folder: Path, timeout_s: float) -> None:
+        self.env, self.folder, self.timeout_s = env, folder, timeout_s
+        self.seq, self.step, self.phase = 0, 0, "start"
+        self.last = time.monotonic()
+        self.paused = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, phase: str, step: int | None = None) -> None:
+        """Record progress at a point every rank passes in the same order (counted in ``seq``)."""
+        self.seq += 1
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.last = time.monotonic()
+
+    def alive(self) -> None:
+        """Progress inside a long phase (a checkpoint write, evaluation batches): refreshes the clock only."""
+        self.last = time.monotonic()
+
+    @contextlib.contextmanager
+    def waiting(self, on: bool = True) -> Iterator[None]:
+        """Suspend the timeout while this rank legitimately waits on another (rank 0's checkpoint write)."""
+        self.paused += on
+        try:
+            yield
+        finally:
+            self.paused -= on
+            self.last = time.monotonic()
+
+    def start(self) -> None:
+        """Arm the watchdog (after the first step: compiling and warm-up may take minutes)."""
+        if self.timeout_s <= 0 or self._thread is not None:
+            return
+        self.last = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Disarm the watchdog (the loop is over; the final save and tracking upload may take long)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(interval):
+            silent = time.monotonic() - self.last
+            if not self.paused and silent > self.timeout_s:
+                self._report(silent)
+
+    def _report(self, silent: float) -> None:
+        """Write this rank's stacks and last beat; rank 0 writes the report. Then leave: the job is stuck."""
+        rank, world = self.env.rank, self.env.world_size
+        grace = max(5.0, min(30.0, self.timeout_s))  # for the other ranks' files (their clocks run a bit apart)
+        with contextlib.suppress(OSError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / f"rank_{rank}.txt", "w") as f:
+                f.write(f"rank {rank} on {socket.gethostname()} (pid {os.getpid()}): no progress for {silent:.0f} s; "
+                        f"last beat: step {self.step}, {self.phase} (#{self.seq})\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            last = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seq": self.seq,
+                    "step": self.step, "phase": self.phase, "silent_s": round(silent, 1),
+                    "nccl_trace": dump_nccl_trace(self.folder / f"nccl_trace_rank_{rank}.pkl")}
+            # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
+            write_json(self.folder / f"rank_{rank}.json", last, durable=False)
+        report = self.folder / "report.txt"
+        deadline = time.monotonic() + grace
+        if rank == 0:
+            while len(list(self.folder.glob("rank_*.json"))) < world and time.monotonic() < deadline:
+                time.sleep(0.2)
+            text = build_report(self.folder, world, self.timeout_s)
+            with contextlib.suppress(OSError):
+                write_atomic(report, text, durable=False)
+            print(text, file=sys.stderr, flush=True)
+        else:
+            while not report.exists() and time.monotonic() < deadline + grace:
+                time.sleep(0.2)
+            if not report.exists():  # rank 0 could not report (dead, or stuck without releasing the GIL)
+                print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; "
+                      f"stacks in {self.folder}", file=sys.stderr, flush=True)
+        os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
+
+
+def build_report(folder: Path, world: int, timeout_s: float) -> str:
+    """The hang report from the ranks' files: who is stuck where, then each stuck rank's stacks."""
+    beats: dict[int, dict[str, Any]] = {}
+    for path in folder.glob("rank_*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+            beats[int(info["rank"])] = info
+    missing = [r for r in range(world) if r not in beats]
+    lines = [f"HANG: no progress for more than {timeout_s:.0f} s (dist.heartbeat_timeout_s); stacks in {folder}"]
+    if beats:
+        low = min(b["seq"] for b in beats.values())
+        stuck = sorted(r for r, b in beats.items() if b["seq"] == low)
+        if len(stuck) == len(beats) and not missing:
+            lines.append(f"all {world} ranks stopped at the same point (step {beats[0]['step']}, {beats[0]['phase']}): "
+                         "a collective that never completes (network, NCCL) rather than one slow rank")
+        else:
+            lines.append(f"stuck rank(s): {', '.join(map(str, stuck))} — the others got further and wait for them")
+        for r in sorted(beats):
+            b = beats[r]
+            mark = "STUCK" if r in stuck else "waits"
+            trace = f"; NCCL trace {b['nccl_trace']}" if b.get("nccl_trace") else ""
+            lines.append(f"  rank {r:>3} {mark}  {b['host']} pid {b['pid']}: step {b['step']}, {b['phase']} (#{b['seq']})"
+                         f"{trace}")
+    else:
+        stuck = []
+    for r in missing:
+        lines.append(f"  rank {r:>3} ?      wrote nothing: dead, or stuck without releasing the GIL")
+    for r in stuck[:4]:  # the stacks that matter; the others are in the folder
+        with contextlib.suppress(OSError):
+            lines += ["", f"--- rank {r} stacks ---", (folder / f"rank_{r}.txt").read_text().rstrip()]
+    return "\n".join(lines)
+
+
+def _nccl_backend() -> bool:
+    """Whether the default process group runs NCCL (then its flight recorder holds this rank's collectives)."""
+    try:
+        return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    except Exception:  # a group torn down meanwhile
+        return False
+
+
+def dump_nccl_trace(path: Path) -> str | None:
+    """Write NCCL's flight recorder to ``path``; return what the report says about it (None: not on NCCL).
+
+    The dump is private torch API and takes locks a stuck NCCL thread may hold: it runs in a daemon thread,
+    waited for at most :data:`NCCL_DUMP_TIMEOUT_S`, and a failure is only noted, never raised.
+    """
+    if not _nccl_backend():
+        return None
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+    if dump is None:
+        return "not written (this torch has no _dump_nccl_trace)"
+    outcome: list[str] = []
+
+    def write() -> None:
+        try:
+            path.write_bytes(dump())
+            outcome.append(path.name)
+        except Exception as exc:
+            outcome.append(f"not written ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+
+    try:
+        thread = threading.Thread(target=write, name="nccl-trace-dump", daemon=True)
+        thread.start()
+        thread.join(NCCL_DUMP_TIMEOUT_S)
+    except RuntimeError as exc:  # no thread to be had: the report (and the exit after it) must still happen
+        return f"not written ({exc})"
+    return outcome[0] if outcome else f"not written (no answer in {NCCL_DUMP_TIMEOUT_S:g} s)"
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Move an earlier attempt's ``folder`` to ``<folder>-<time of its report>`` (kept, never overwritten)."""
+    if not folder.exists():
+        return None
+    report = folder / "report.txt"
+    stamp = datetime.fromtimestamp((report if report.exists() else folder).stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+    target, n = folder.with_name(f"{folder.name}-{stamp}"), 1
+    while target.exists():  # two attempts' reports in the same second
+        n += 1
+        target = folder.with_name(f"{folder.name}-{stamp}-{n}")
+    folder.rename(target)
+    return target

@@ -1,0 +1,127 @@
+"""Distributed loaders that know their place: resumed mid-epoch, they skip exactly the batches already trained on."""
+
+from __future__ import annotations
+
+import functools
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from trainer.core.env import DistEnv
+from trainer.runtime.samplers import ResumableSampler, ShardSampler
+
+
+class InMemory(TensorDataset):
+    """Tensors already in memory, fetched a whole batch per indexing op instead of sample by sample + collate."""
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        index = torch.as_tensor(indices)
+        return tuple(t[index] for t in self.tensors)
+
+
+def in_memory_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The collate function for InMemory sets: __getitems__ already returns the batch."""
+    return batch
+
+def _worker_init(signals: tuple[int, ...], user_init: Any, worker_id: int) -> None:
+    # Slurm signals every process of a step: workers must survive until the trainer has saved.
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def loader_kwargs(dataset: Dataset[Any], env: DistEnv, device: torch.device, seed: int, signals: tuple[int, ...],
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DataLoader arguments with our defaults: workers that ignore preemption signals, pinned memory on GPUs,
+    a generator of its own (the loader never draws on the global RNG the model uses), and for tensors in memory
+    a whole batch per indexing op (no per-sample collate)."""
+    workers = kwargs.get("num_workers", 0)
+    out = {"pin_memory": device.type == "cuda", "persistent_workers": workers > 0,
+           "generator": torch.Generator().manual_seed(seed + env.rank),
+           **({"collate_fn": in_memory_batch} if isinstance(dataset, InMemory) else {}), **kwargs}
+    if workers > 0:
+        out["worker_init_fn"] = functools.partial(_worker_init, signals, kwargs.get("worker_init_fn"))
+    return out
+
+
+class Loader:
+    """Batches of a data set for this rank, with its position as state (``state_dict``/``load_state_dict``).
+
+    Map-style sets are shuffled per epoch by a sampler whose order depends only on (seed, epoch), so a resumed
+    run continues with exactly the batches the uninterrupted run would have seen. Iterable sets read their own
+    share on each rank (the set decides), and resume through their own state, if any.
+    """
+
+    def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, **kwargs: Any) -> None:
+        self.dataset, self.batch_size, self.world_size = dataset, batch_size, env.world_size
+        self.iterable = isinstance(dataset, IterableDataset)
+        self.sampler = None if self.iterable else ResumableSampler(dataset, env, seed)
+        self.loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
+        self.epoch = 0
+        """Epochs finished; it moves on as the last batch of an epoch is handed out."""
+        self.position = 0
+        """Batches of this epoch this rank has handed out."""
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (map-style sets only)."""
+        if self.sampler is None:
+            raise TypeError("an iterable data set has no length")
+        return -(-self.sampler.num_samples // self.batch_size) if not self.loader.drop_last else \
+            self.sampler.num_samples // self.batch_size
+
+    def remaining(self) -> int:
+        """Batches left in this epoch (a very large number for iterable sets)."""
+        return 2**62 if self.sampler is None else len(self) - self.position
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the current epoch."""
+        if self.sampler is not None:
+            self.sampler.start_epoch(self.epoch, self.position * self.batch_size)
+        left = self.remaining()
+        for i, batch in enumerate(self.loader):
+            self.position += 1
+            if i == left - 1:  # the epoch is over once its last batch is out: a save now starts the next one
+                self.epoch, self.position = self.epoch + 1, 0
+            yield batch
+        if self.sampler is None:  # an iterable set ran dry: that was an epoch
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def forever(self) -> Iterator[Any]:
+        """Batch after batch across epochs."""
+        while True:
+            empty = True
+            for batch in self:
+                empty = False
+                yield batch
+            if empty and self.position == 0:
+                raise ValueError("the training set yields no batches on this rank")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where ``state`` left off; with another world size or batch size, after the samples already seen."""
+        self.epoch, self.position = state["epoch"], state["position"]
+        if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
+            consumed = state["position"] * state["batch_size"] * state["world_size"]
+            self.position = consumed // (self.batch_size * self.world_size)
+
+
+def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:
+    """Disjoint shards covering the set exactly once (no padding): all-reduced sums count each sample once."""
+    shard = None if isinstance(dataset, IterableDataset) else ShardSampler(len(dataset), env)  # type: ignore[arg-type]
+    return DataLoader(dataset, batch_size=batch_size, sampler=shard, **kwargs)
+
+
+def shutdown_workers(loader: DataLoader[Any]) -> None:
+    """Stop a loader's persistent workers now, through their queue: they ignore the preemption signals (SIGTERM
+    included), so the interpreter's exit, which terminates children by signal and then joins them, would wait forever."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None

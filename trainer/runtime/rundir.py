@@ -1,0 +1,92 @@
+"""The run folder and its files: config.yaml, result.json, the requeue marker and the report. Rank 0 writes; all ranks
+know the path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from trainer.core.dist import on_main, say
+from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+from trainer.core.files import write_atomic, write_json
+from trainer.runtime.attempts import attempts, figures, summary
+from trainer.runtime.heartbeat import HANG_FOLDER, set_aside
+
+REQUEUE_MARKER = "requeue.json"
+"""Left by rank 0 after a preemption save, for launchers that cannot see the exit code (torchrun's agent)."""
+
+
+class RunDir:
+    """``run.dir``, or ``runs/<Slurm job id>`` (a requeued job finds its folder again), else ``runs/<time stamp>``."""
+
+    def __init__(self, path: Path, env: DistEnv) -> None:
+        self.path, self.env = path, env
+
+    @classmethod
+    def open(cls, env: DistEnv, wanted: str | None, config_yaml: str) -> RunDir:
+        """Decide and create the folder on rank 0, write the config, clear an earlier attempt's marker."""
+
+        def make() -> str:
+            if wanted:
+                path = Path(wanted).resolve()
+            else:
+                path = Path("runs", env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+                if not env.job_id and path.exists():
+                    path = Path(f"{path}-{time.time_ns() % 10**6}")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                write_atomic(path / "config.yaml", config_yaml)
+                (path / REQUEUE_MARKER).unlink(missing_ok=True)
+                # Before the broadcast below, so before any rank's watchdog: an earlier attempt's files would
+                # complete rank 0's wait for every rank at once and hand the other ranks a stale report.
+                moved = set_aside(path / HANG_FOLDER)
+                if moved:
+                    say(env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
+            except OSError as exc:
+                raise UserError("run.dir", f"cannot write {str(path)!r} ({exc.strerror})",
+                                "choose a folder this user can write, on storage every node shares") from None
+            return str(path)
+
+        return cls(Path(on_main(env.is_main, make)), env)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def hang(self) -> Path:
+        return self.path / HANG_FOLDER
+
+    def write_result(self, result: dict[str, Any]) -> None:
+        """The run's summary (rank 0)."""
+        if self.env.is_main:
+            write_json(self.path / "result.json", result)
+
+    def mark_requeue(self, marker: dict[str, Any]) -> None:
+        """Ask the launcher to requeue (rank 0): the batch script reads this when it cannot see exit code 75."""
+        if self.env.is_main:
+            write_atomic(self.path / REQUEUE_MARKER, json.dumps(marker))
+
+    def write_report(self) -> dict[str, float]:
+        """At the end of a run (rank 0): the report page, made by the report tool as its own program (the runtime
+        never imports the tools), or one line saying why not; never fails the run. Returns the goodput figures."""
+        if not self.env.is_main:
+            return {}
+        package_root = str(Path(__file__).resolve().parents[2])  # importable even where the user's script added it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        try:
+            done = subprocess.run([sys.executable, "-m", "trainer.report", "--end-of-run", str(self.path)], env=env,
+                                  capture_output=True, text=True, timeout=300, check=False)
+            say(self.env, done.stdout.strip() or f"note: no run report ({(done.stderr.strip().splitlines() or ['?'])[-1]})")
+            runs = attempts(self.path)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            say(self.env, f"note: no run report ({type(exc).__name__}: {exc})")
+            return {}
+        return summary(figures(runs)) if runs else {}

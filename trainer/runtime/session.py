@@ -1,0 +1,383 @@
+"""The runtime for a training loop you write yourself (the built-in trainer uses it too).
+
+    with trainer.Session(sys.argv[1:]) as sess:             # process group, device, signals (key=value overrides)
+        model = sess.wrap(Net())                             # DDP on this rank's device
+        opt = torch.optim.AdamW(model.parameters())
+        loader = sess.loader(dataset, batch_size=32)         # exact-resume sampler, position as state
+        start = sess.restore(model=model, optimizer=opt, loader=loader)   # run folder; the step to continue from
+        batches = loader.forever()
+        for step in sess.steps(start, 1000):                 # step = start+1 … 1000
+            loss = model(*next(batches)); loss.backward(); opt.step(); opt.zero_grad()
+            sess.log({"loss": loss}, step)
+            if sess.should_save(step):                       # signal or schedule, agreed by every rank
+                sess.save(step)
+                if sess.preempted:
+                    break
+        return sess.finish()                                 # 0, or 75 after a preemption save (launchers requeue)
+
+Saving never happens in a signal handler: a signal sets a flag that ``should_save`` turns into one agreed save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from trainer.checkpoint import open_checkpointer
+from trainer.checkpoint.base import Checkpointer
+from trainer.checkpoint.resume import Resumed, find
+from trainer.checkpoint.state import RESERVED, STATE_VERSION, PerRank, check_plain, collect, restore_objects
+from trainer.core import dist as tdist
+from trainer.core.config import Config, load, to_dict, to_yaml
+from trainer.core.env import discover, job_info
+from trainer.core.errors import EXIT_REQUEUE
+from trainer.core.events import EventLog, git_commit, process_start, versions
+from trainer.runtime.fsdp import is_sharded, no_sync, shard
+from trainer.runtime.heartbeat import Heartbeat
+from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
+from trainer.runtime.preemption import Preemption, SavePolicy
+from trainer.runtime.rundir import RunDir
+from trainer.runtime.tracking import Tracker
+from trainer.testing import faults as faults_mod
+
+__all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
+
+_T = TypeVar("_T")
+
+class Session:
+    """One process's share of a job: from the environment and a config (``key=value`` overrides or a Config)."""
+
+    def __init__(self, config: Config | list[str] | None = None, extra_config: Mapping[str, Any] | None = None) -> None:
+        self.cfg = config if isinstance(config, Config) else load(list(config or []))
+        self.extra_config = dict(extra_config or {})
+        self.config_dict = to_dict(self.cfg)
+        self.env = discover()
+        self.faults = faults_mod.load()
+        self.device = tdist.pick_device(self.env, self.cfg.train.device)
+        self.job = job_info()
+        # The job's warning signal (set by `python -m trainer.launch`) saves too, whatever checkpoint.signal says.
+        warning = self.job.warning_signal or ""
+        warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
+        self.signals = tuple({getattr(signal, self.cfg.checkpoint.signal), signal.SIGTERM, *warned})
+        self._attributes()
+        tdist.setup(self.env, self.cfg, self.device)
+        try:  # from here on a failure must not leave the process group behind
+            self.preemption = Preemption(self.signals)
+            torch.manual_seed(self.cfg.train.seed)
+        except BaseException:
+            tdist.teardown()
+            raise
+
+    def _attributes(self) -> None:
+        """Every attribute exists before ``restore``, which opens the run folder and brings its parts (the hang
+        watchdog, the checkpointer, the save policy, the tracker): before it, using them says so."""
+        self.run: RunDir | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._policy: SavePolicy | None = None
+        self._tracker: Tracker | None = None
+        self.objects: dict[str, Any] = {}
+        self.loaders: list[DataLoader[Any]] = []
+        self.resumed: Resumed | None = None
+        """The checkpoint this run continued from (its path and state), after ``restore``."""
+        self.step = 0
+        """The last step ``steps`` handed out (or ``restore`` returned)."""
+        self.steps_here = 0
+        """Steps this process finished."""
+        self.saved_step: int | None = None
+        self.preempted_by: signal.Signals | None = None
+        self.summary: dict[str, Any] = {}
+        """What ``finish`` wrote to result.json (on every rank)."""
+        self.last_path: Path | None = None
+        self.stall_s = 0.0
+        self.started_at = process_start()
+        self.events = EventLog(None)
+        """Rank 0's event log (events.jsonl), opened with the run folder."""
+        """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
+        self.model: nn.Module | None = None
+        """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
+        fmt = self.cfg.checkpoint.format
+        self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
+
+    # ---- setup -------------------------------------------------------------------------------
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """The hang watchdog of this rank (from ``restore``)."""
+        return _opened(self._heartbeat)
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Saves and commits checkpoints in the run folder, single-file or sharded alike (from ``restore``)."""
+        return _opened(self._checkpointer)
+
+    @property
+    def policy(self) -> SavePolicy:
+        """When to save: signals, ``every_steps``, ``every_minutes`` (from ``restore``)."""
+        return _opened(self._policy)
+
+    @property
+    def tracker(self) -> Tracker:
+        """W&B on rank 0, continued across requeues (from ``restore``)."""
+        return _opened(self._tracker)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that writes files, prints and talks to W&B."""
+        return self.env.is_main
+
+    @property
+    def run_dir(self) -> Path:
+        return self._run().path
+
+    def print(self, msg: str) -> None:
+        """Print on rank 0 only."""
+        tdist.say(self.env, msg)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model on this rank's device inside DDP, or with ``dist.strategy=fsdp`` sharded in place with FSDP2
+        (blocks from ``model.fsdp_blocks()`` or found; returned as is). Create the optimizer after this."""
+        self.model = model.to(self.device)
+        if self.cfg.dist.strategy == "fsdp" and self.env.world_size == 1:
+            return self.model  # nothing to shard across one process (its checkpoints stay sharded-format)
+        if self.cfg.dist.strategy == "fsdp":
+            return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
+        return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def no_sync(self, model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Gradient accumulation: no gradient all-reduce (DDP) or reduce-scatter (FSDP) inside when ``skip``."""
+        return no_sync(model, skip)
+
+    def eval_batches(self, loader: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
+        so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
+        if self.model is None or not is_sharded(self.model):
+            for batch in loader:
+                yield batch, True
+            return
+        last, batches = None, iter(loader)
+        while True:
+            batch = next(batches, None)
+            more = torch.tensor([batch is not None], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
+            if not more.item():
+                return
+            if batch is None and last is None:
+                raise RuntimeError("this rank's evaluation shard is empty: use fewer processes or more evaluation data")
+            last = batch if batch is not None else last
+            yield last, batch is not None
+
+    def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
+        """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
+        made = Loader(dataset, self.env, batch_size, self.cfg.train.seed,
+                      **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+        self.loaders.append(made.loader)
+        return made
+
+    def eval_loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> DataLoader[Any]:
+        """This rank's disjoint shard of an evaluation set (each sample counted once across ranks)."""
+        made = eval_loader(dataset, self.env, batch_size,
+                           **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+        self.loaders.append(made)
+        return made
+
+    def describe(self, **facts: Any) -> None:
+        """Record facts about this run (e.g. the code it trains) in its W&B config and checkpoints; before restore."""
+        check_plain(facts, "describe()")
+        self.extra_config.update(facts)
+
+    def restore(self, **objects: Any) -> int:
+        """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
+        load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
+        taken = sorted(set(objects) & set(RESERVED))
+        if taken:
+            raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
+                             f"({', '.join(RESERVED)}): pass it under another name")
+        self.objects = objects
+        self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
+        self._heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
+        self._checkpointer = open_checkpointer(
+            self.sharded_checkpoints, self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
+            self.faults.save_delay_s, on_write=self.heartbeat.alive, model=self.model)
+        self._policy = SavePolicy(self.cfg.checkpoint, self.env, self.preemption)
+        self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)  # started below, once the run id is known
+        self.resumed = find(self.cfg, self.env, self.run.path)
+        run_id = None
+        if self.resumed:
+            restore_objects(self.resumed, objects, self.env, self.model, self.print)
+            self.step = self.saved_step = int(self.resumed.state["step"])
+            self.last_path = self.resumed.path
+            run_id = self.resumed.state.get("tracking", {}).get("run_id")
+        self.tracker.start({**self.config_dict, **self.extra_config}, run_id)
+        self.events = EventLog(self.run.path if self.env.is_main else None)
+        if self.env.is_main:
+            self.events.emit("attempt", durable=True, started=round(self.started_at, 3), job_id=self.env.job_id,
+                             restart=self.job.restart_count, array_job_id=self.job.array_job_id,
+                             array_task_id=self.job.array_task_id, nodes=self.env.num_nodes,
+                             processes=self.env.world_size, strategy=self.cfg.dist.strategy, resumed_step=self.step,
+                             git=git_commit(Path.cwd()), **versions())
+        if self.resumed:
+            self.print(f"resumed from {self.resumed.path} at step {self.step}")
+        return self.step
+
+    def _run(self) -> RunDir:
+        return _opened(self.run)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """Steps ``start + 1`` … ``stop``, with hang watching from the first one on."""
+        self._run()
+        for step in range(start + 1, stop + 1):
+            self.heartbeat.beat("step", step)
+            self.faults.before_step(self.steps_here, self.env.rank)
+            self.step = step
+            yield step
+            self.steps_here += 1
+            if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
+                self.events.emit("first_step", step=step)
+                self.heartbeat.start()
+
+    def alive(self) -> None:
+        """Progress inside a long phase whose length differs by rank (evaluation batches): refreshes the hang clock."""
+        self.heartbeat.alive()
+
+    def beat(self, phase: str) -> None:
+        """Tell the hang watchdog where this rank is inside a step (named in a hang report)."""
+        self.heartbeat.beat(phase, self.step)
+
+    def log(self, metrics: Mapping[str, Any], step: int, console: bool = True) -> None:
+        """Record metrics at ``step``: W&B and (``console``) one printed line, on rank 0. Tensors are read here, a
+        sync with the device: log every few steps, not each."""
+        values = {k: float(v) for k, v in metrics.items()}
+        if console:
+            self.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+        if self._tracker is not None:  # logging before restore prints only
+            self._tracker.log(values, step)
+        self.events.emit("metrics", step=step, values=values)
+
+    def request_stop(self, signum: int = signal.SIGUSR2) -> None:
+        """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
+        if signum:
+            self.preemption.signum = signum
+
+    def should_save(self, step: int, force_poll: bool = False) -> bool:
+        """Whether to save now: a preemption signal (agreed across ranks every ``checkpoint.poll_steps`` steps),
+        ``checkpoint.every_steps`` or ``every_minutes``. Every rank must call it at the same steps."""
+        # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
+        self.request_stop(self.faults.after_step(self.steps_here + 1, self.cfg.checkpoint.signal))
+        self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
+        signum, due = self.policy.poll(step, force_poll)
+        if force_poll or step % self.cfg.checkpoint.poll_steps == 0:
+            self.events.emit("progress", step=step)
+        if signum and self.preempted_by is None:
+            self.events.emit("signal", durable=True, step=step, signal=signal.Signals(signum).name)
+        if signum:
+            self.preempted_by = signal.Signals(signum)
+        return due or bool(signum)
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption was agreed: save (``should_save`` said so), leave the loop, return ``finish()``."""
+        return self.preempted_by is not None
+
+    def save(self, step: int, blocking: bool | None = None) -> Path:
+        """Collective: checkpoint every restored object at ``step`` (asynchronous per ``checkpoint.async_save``,
+        except for preemption saves)."""
+        self._run()
+        if blocking is None:
+            blocking = self.preempted or not self.cfg.checkpoint.async_save
+        through_dcp, state = collect(self.objects, self.sharded_checkpoints)
+        state.update(step=step, world_size=self.env.world_size, config=self.config_dict, version=STATE_VERSION,
+                     tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
+        self.heartbeat.beat("checkpoint save", step)
+        started = time.perf_counter()
+        # Sharded: every rank writes its shards, no rank waits on another. One file: rank 0 beats while it writes.
+        with self.heartbeat.waiting(self.checkpointer.every_rank_writes or not self.env.is_main):
+            path = self.checkpointer.save(state, step, blocking=blocking, sharded=through_dcp)
+        self.stall_s += time.perf_counter() - started  # training waited this long (the copy, for async saves)
+        self.saved_step, self.last_path = step, path
+        self.policy.saved()
+        self.tracker.flush()
+        if self.env.is_main:  # a background save's size is not known yet: its time is the stall
+            size = _size_on_disk(path) if blocking else None
+            self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
+                             blocking=blocking, bytes=size, path=str(path))
+        return path
+
+    def finish(self, result: Mapping[str, Any] | None = None) -> int:
+        """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
+        and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
+        run = self._run()
+        self.heartbeat.stop()
+        self.checkpointer.wait()
+        if self.saved_step != self.step:
+            self.save(self.step)
+        path = str(self.last_path)
+        if self.preempted_by is not None:
+            run.mark_requeue({"signal": self.preempted_by.name, "checkpoint": path, "step": self.step})
+            torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
+            self.print(f"\n{self.preempted_by.name} received: saved {path} at step {self.step}; "
+                       f"exiting with {EXIT_REQUEUE} so the launcher requeues")
+            self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
+            return EXIT_REQUEUE
+        summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
+                   "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
+                   "resumed_from": str(self.resumed.path) if self.resumed else None,
+                   "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.stall_s, 4),
+                   "strategy": self.cfg.dist.strategy, **(result or {})}
+        self.summary = summary
+        run.write_result(summary)
+        self.events.emit("exit", durable=True, code=0, step=self.step)
+        goodput = run.write_report()
+        self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
+                            | {"global_step": self.step} | goodput)
+        return 0
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
+        try:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            try:
+                if self._checkpointer is not None:
+                    self._checkpointer.wait()
+            finally:
+                if self._tracker is not None:
+                    self._tracker.finish()
+        finally:
+            for loader in self.loaders:
+                shutdown_workers(loader)
+            self.events.close()
+            self.preemption.restore()
+            tdist.teardown()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None:  # the loop raised: the report shows how the attempt ended
+            code = exc.code if isinstance(exc, SystemExit) else 1
+            self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__)
+        self.close()
+
+
+def _opened(part: _T | None) -> _T:
+    """A part of the run folder, once ``restore`` has opened it."""
+    if part is None:
+        raise RuntimeError("call Session.restore(...) first: it opens the run folder and loads the checkpoint")
+    return part
+
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes of a checkpoint: one file, or a sharded step folder's files."""
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size

@@ -1,0 +1,1 @@
+"""Fault injection for tests, read from ``TRAINER_FAULTS`` (never part of the public config)."""

@@ -1,0 +1,69 @@
+"""Faults the tests inject from outside the public config: ``TRAINER_FAULTS="preempt_at_step=5 step_delay_s=0.1"``.
+
+Read once per process from the environment (``trainer.core.env.fault_spec``), so they never appear in ``--help``,
+a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from trainer.core.env import fault_spec
+from trainer.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class Faults:
+    preempt_at_step: int = -1
+    """Behave as if the preemption signal arrived during this process's step N+1 (-1: never)."""
+    save_delay_s: float = 0.0
+    """Sleep this long in the middle of writing a checkpoint file (a kill then lands mid-save)."""
+    step_delay_s: float = 0.0
+    """Sleep this long after every optimizer step (slows a run so signals land mid-training)."""
+    oom_at_step: int = -1
+    """Raise torch.OutOfMemoryError at the end of this process's step N+1 (-1: never), through the real handler."""
+    hang_at_step: int = -1
+    """Rank ``hang_rank`` stops forever as this process's step N+1 starts (-1: never)."""
+    hang_rank: int = 1
+    """The rank that ``hang_at_step`` stops."""
+
+    def before_step(self, done: int, rank: int) -> None:
+        """A rank stuck outside any collective (a dead file system, a deadlock); ``done``: steps finished so far."""
+        if done == self.hang_at_step and rank == self.hang_rank:
+            _stuck_for_test()
+
+    def after_step(self, done: int, preemption_signal: str) -> int:
+        """Called with the count of finished steps; returns a signal number to act on (0: none)."""
+        if done == self.oom_at_step + 1:
+            raise torch.OutOfMemoryError("simulated out of memory (TRAINER_FAULTS oom_at_step)")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if done == self.preempt_at_step + 1:
+            return int(getattr(signal, preemption_signal))
+        return 0
+
+
+def _stuck_for_test() -> None:
+    """Named so that a hang report's stack shows where the test made this rank stop."""
+    while True:
+        time.sleep(1)
+
+
+def load(spec: str | None = None) -> Faults:
+    """Parse ``name=value`` words (from TRAINER_FAULTS when ``spec`` is None)."""
+    spec = fault_spec() if spec is None else spec
+    known = {f.name: f.type for f in fields(Faults)}
+    values: dict[str, float | int] = {}
+    for word in spec.split():
+        name, _, raw = word.partition("=")
+        if name not in known:
+            raise UserError("TRAINER_FAULTS", f"unknown fault {name!r}", f"use one of: {', '.join(known)}")
+        try:
+            values[name] = float(raw) if known[name] == "float" else int(raw)
+        except ValueError:
+            raise UserError("TRAINER_FAULTS", f"{name} needs a number, got {raw!r}", f"e.g. {name}=3") from None
+    return Faults(**values)  # type: ignore[arg-type]
