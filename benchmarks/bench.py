@@ -86,13 +86,28 @@ def cluster_overhead(n_pairs: int) -> dict[str, Any]:
 
 def render(results: dict[str, Any]) -> str:
     """docs/benchmarks.md from the results."""
-    m, t = results["machine"], results["trainer_and_bare"]
+    m = results["machine"]
     out = ["# Benchmarks", "", f"Measured by `make bench` on {results['date']}: {m['cpu']}, {m['cores']} cores, "
            f"GPUs: {', '.join(m['gpus']) or 'none'}; Python {m['python']}, torch {m['torch']}. Every comparison ran "
            "as interleaved pairs in this one invocation, each pair's order alternating (A B, B A, …); a ratio is "
            "shown as median (min–max) over its pairs, with every pair's value beside it. Compare figures within this "
-           "page only.", "",
-           "## 1. Trainer vs the tutorials' bare loop, and scaling", "",
+           "page only.", ""]
+    out += scaling_section(results["trainer_and_bare"]) + checkpoint_section(results["checkpoint"])
+    out += launch_section(results["trainer_and_bare"], results["cluster"])
+    out += ["", "## 4. GPU only", ""]
+    for key, title in (("dp_vs_ddp", "DataParallel vs DDP"), ("precision", "resnet18 precision and layout")):
+        rows = results[key]
+        if isinstance(rows, dict):
+            out.append(f"- {title}: skipped ({rows['skipped']}).")
+        else:
+            out.append(f"- {title}:")
+            out += [f"  - {json.dumps(r)}" for r in rows]
+    out += sharded_section(results["sharded"])
+    return "\n".join(out) + "\n"
+
+
+def scaling_section(t: dict[str, Any]) -> list[str]:
+    out = ["## 1. Trainer vs the tutorials' bare loop, and scaling", "",
            f"Same model, data and batch on {t['device']} (`benchmarks/bare_ddp.py`: DDP, DataLoader, SGD, nothing "
            f"else); the training loop only. {t['rounds']} rounds, each running every setting as a trainer, bare pair.",
            "", "| processes | batch/process | global batch | trainer samples/s | bare samples/s | trainer / bare | "
@@ -108,14 +123,18 @@ def render(results: dict[str, Any]) -> str:
         e = t[key]
         out.append(f"| {label} | {show(e['trainer'], '{:.2f}')} | {each(e['trainer'])} | {show(e['bare'], '{:.2f}')} "
                    f"| {each(e['bare'])} |")
-    out += ["", "![scaling](benchmarks-scaling.png)", "", "Targets: trainer / bare ≥ 1.0×; the trainer's scaling "
-            "efficiency no lower than the bare loop's.", "", "## 2. Checkpoint cost", "",
+    return out + ["", "![scaling](benchmarks-scaling.png)", "", "Targets: trainer / bare ≥ 1.0×; the trainer's scaling "
+                  "efficiency no lower than the bare loop's.", ""]
+
+
+def checkpoint_section(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["## 2. Checkpoint cost", "",
             "One process; every save starts after an `os.sync()`. Speed: pairs of (raw `torch.save` + fsync, our "
             "synchronous save: hash, fsync, rename, manifest), raw time ÷ ours. Stall: pairs of (synchronous save, "
             "asynchronous save's training stall).", "",
             "| model | state (MiB) | raw (s) | ours (s) | speed vs raw | per pair | async stall (s) | stall vs sync | "
             "per pair | first async stall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in results["checkpoint"]:
+    for c in rows:
         out.append(f"| {c['model']} | {c['state_mb']:.1f} | {c['raw_s']['median']:.3f} | {c['sync_s']['median']:.3f} | "
                    f"**{show(c['speed_vs_raw'], '{:.0%}')}** | {each(c['speed_vs_raw'])} | "
                    f"{c['async_stall_s']['median']:.3f} | **{show(c['stall_vs_sync'], '{:.0%}')}** | "
@@ -124,27 +143,21 @@ def render(results: dict[str, Any]) -> str:
             "fsyncs, manifest); async stall ≤ 10 % of a sync save. The stall is the steady state (later saves copy "
             "into host buffers the first one allocated); the first save's stall is shown apart. Both sides "
             "of a speed pair write the same bytes through the same `torch.save`: a row's spread is the disk's (on a "
-            "VM's disk, fsyncs of hundreds of MiB vary by tens of percent from one save to the next).", "",
-            "## 3. Launch overhead", "",
+            "VM's disk, fsyncs of hundreds of MiB vary by tens of percent from one save to the next).", ""]
+    return out
+
+
+def launch_section(t: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    out = ["## 3. Launch overhead", "",
             f"Local torchrun, launch → first optimizer step: trainer {show(t['launch_s']['trainer'], '{:.2f}')} s, "
             f"bare loop {show(t['launch_s']['bare'], '{:.2f}')} s (every run of section 1).", ""]
-    c = results["cluster"]
     if "skipped" in c:
         out.append(f"Dev cluster row skipped: {c['skipped']}.")
     else:
         out.append(f"Dev cluster, 2 nodes, pairs of (`make submit NODES=2 WAIT=1`, a minimal `sbatch --wait` + `srun` "
                    f"job): {c['make_submit_s']['median']:.1f} s vs {c['sbatch_srun_s']['median']:.1f} s, "
                    f"**{show(c['ratio'])}** (pairs: {each(c['ratio'])}; target ≤ 1.2×).")
-    out += ["", "## 4. GPU only", ""]
-    for key, title in (("dp_vs_ddp", "DataParallel vs DDP"), ("precision", "resnet18 precision and layout")):
-        rows = results[key]
-        if isinstance(rows, dict):
-            out.append(f"- {title}: skipped ({rows['skipped']}).")
-        else:
-            out.append(f"- {title}:")
-            out += [f"  - {json.dumps(r)}" for r in rows]
-    out += sharded_section(results["sharded"])
-    return "\n".join(out) + "\n"
+    return out
 
 
 def sharded_section(r: dict[str, Any]) -> list[str]:

@@ -104,8 +104,8 @@ def _srun(p: Profile, python: str) -> tuple[str, str]:
 def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer", user_args: bool = True) -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
     srun, py = _srun(p, python)
-    overrides = "".join(f" {shlex.quote(a)}" for a in [f"checkpoint.signal=SIG{p.signal}", *args])
-    overrides += ' run.dir="$RUN_DIR"' + (' "$@"' if user_args else "")
+    # The run folder and the warning signal reach the trainer as RUN_DIR and TRAINER_SIGNAL (run_dir_lines).
+    overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
         return [f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
@@ -153,12 +153,13 @@ def requeue_rule(p: Profile, report: str | None = None) -> list[str]:
     ]
 
 
-def run_dir_lines(default: str) -> list[str]:
+def run_dir_lines(default: str, warning: str) -> list[str]:
     """``$RUN_DIR``: exported (commands and the session API write there), absolute (mounted into containers by that
-    path), and without an earlier attempt's requeue marker (only this attempt's may trigger a requeue)."""
+    path), and without an earlier attempt's requeue marker (only this attempt's may trigger a requeue); and
+    ``$TRAINER_SIGNAL``, the signal Slurm warns the job with (``warning``), on which the session saves."""
     return [
         # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
-        f"export RUN_DIR=${{RUN_DIR:-{default}}}",
+        f"export RUN_DIR=${{RUN_DIR:-{default}}} TRAINER_SIGNAL=SIG{warning}",
         'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
         'rm -f "$RUN_DIR/requeue.json"',
         "# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.",
@@ -195,7 +196,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         "export PYTHONUNBUFFERED=1",
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
-        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID"),
+        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal),
         "",
         *flight_recorder(p, "$RUN_DIR"),
     ]

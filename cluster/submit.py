@@ -16,6 +16,7 @@ from cluster.profile import Profile
 from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch, requeue_rule, run_dir_lines
 from cluster.task import CommandTask, TrainTask
 from trainer.core.errors import UserError
+from trainer.core.legacy import LEGACY
 
 
 def python_for(p: Profile) -> str:
@@ -50,12 +51,12 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
                                slurm_python=f"{inside} python3" if inside else python_for(p))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
-    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID")
+    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2")  # submitit warns with USR2
     report = shlex.quote(python_for(p)) if command and not inside else None
     teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)", *requeue_rule(p, report)]
     py = "python3" if inside else shlex.quote(python_for(p))
     doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
-    doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0]) + ' run.dir="$RUN_DIR"'
+    doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0])
     setup += doctor_step(p, [doctor])
     params: dict[str, Any] = {
         "name": p.job_name,
@@ -135,19 +136,22 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
 
 
 def _check_trainer_args(args: list[str], warned_with: str) -> None:
-    """Bad overrides fail here, not on the cluster; a checkpoint.signal other than the job's would kill, not save."""
-    load_train_config([a for a in args if not a.startswith("run.dir=")])
+    """Bad overrides fail here, not on the cluster. The job's warning signal is the profile's, not a trainer key."""
     for arg in args:
-        key, _, value = arg.partition("=")
-        if key == "checkpoint.signal" and value != warned_with:
-            raise UserError("checkpoint.signal", f"{value!r} is not the signal this job is warned with ({warned_with})",
-                            "leave checkpoint.signal out: the launcher sets it from the profile's signal")
+        key = arg.partition("=")[0]
+        if key == "checkpoint.signal":
+            raise UserError(key, "is no longer a key: the trainer saves on the signal the job is warned "
+                            f"with ({warned_with}, the profile's signal), and on SIGUSR2 and SIGTERM",
+                            "leave it out; another signal: --set signal=USR1 (SET=\"signal=USR1\")")
+        if key in LEGACY:
+            raise UserError(key, f"is no longer a key ({LEGACY[key][1]})", f"leave {arg!r} out")
+    load_train_config([a for a in args if not a.startswith("run.dir=")])
 
 
 def task_line(p: Profile, args: list[str], command: Command | None) -> str:
     """What each submitit task runs, as a command line (for dry runs)."""
     if command is None:
-        return f"python -m trainer {shlex.join(['checkpoint.signal=SIGUSR2', *args])}"
+        return f"python -m trainer {shlex.join(args)}"
     return f"python -m trainer.launch {shlex.join([*command.launch_args(p), *command.argv])}"
 
 
@@ -185,7 +189,7 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
 def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
     ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
     task: TrainTask | CommandTask = (
-        TrainTask(["checkpoint.signal=SIGUSR2", *args]) if command is None
+        TrainTask(list(args)) if command is None
         else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))
     job = ex.submit(task)
     what = f"command: {command}, " if command else ""

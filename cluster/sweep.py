@@ -145,6 +145,31 @@ def _task(p: Profile, t: Trial, sweep_dir: Path) -> TrainTask | CommandTask:
     return TrainTask(t.task_args(sweep_dir))
 
 
+def _show(p: Profile, spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
+    """A dry run: the trials, the command each runs, and the array's batch script."""
+    print(f"# sweep {spec.name}: {len(trials)} trials ({spec.method}), at most {spec.max_parallel} at a time, "
+          f"profile {p.name}\n{trial_table(trials, list(spec.parameters))}\n")
+    for t in trials:  # the tasks travel as pickles, not in the script
+        program = f"trainer.launch {shlex.join(Command(()).launch_args(p))}" if t.command else "trainer"
+        print(f"# trial {t.index} runs: python -m {program} {shlex.join(t.task_args(sweep_dir))}")
+    print()
+    print(array_script(p, spec, sweep_dir, len(trials)), end="")
+
+
+def _record(spec_path: str, spec: SweepSpec, p: Profile, trials: list[Trial], sweep_dir: Path) -> dict[str, Any]:
+    """sweep.json before submission: the spec, the profile and every trial's values, folder and arguments."""
+    return {
+        "sweep_id": sweep_dir.name,
+        "spec_file": str(Path(spec_path).resolve()),
+        "spec": dataclasses.asdict(spec),
+        "profile": p.name,
+        "array_job_id": None,
+        "submitted_at": None,
+        "trials": [{"index": t.index, "overrides": t.overrides, "run_dir": str(sweep_dir / "trials" / str(t.index)),
+                    "args": t.task_args(sweep_dir)} for t in trials],
+    }
+
+
 def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll_s: float = 5.0) -> int:
     """``python -m cluster sweep``: validate, then print (dry run) or submit the array; with wait, report the results."""
     spec = load_spec(spec_path)
@@ -156,15 +181,8 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
                         "run the sweep from a folder whose path has only letters, digits, '.', '_', '+', '-' and '/'")
     p = sweep_profile(spec, sets, sweep_dir)
     check_trials(spec, trials, sweep_dir)
-    keys = list(spec.parameters)
     if dry_run:
-        print(f"# sweep {spec.name}: {len(trials)} trials ({spec.method}), at most {spec.max_parallel} at a time, "
-              f"profile {p.name}\n{trial_table(trials, keys)}\n")
-        for t in trials:  # the tasks travel as pickles, not in the script
-            program = f"trainer.launch {shlex.join(Command(()).launch_args(p))}" if t.command else "trainer"
-            print(f"# trial {t.index} runs: python -m {program} {shlex.join(t.task_args(sweep_dir))}")
-        print()
-        print(array_script(p, spec, sweep_dir, len(trials)), end="")
+        _show(p, spec, trials, sweep_dir)
         return 0
     check_slurm()
     try:
@@ -174,16 +192,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
         sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
     ex = sweep_executor(p, spec, sweep_dir)
-    record = {
-        "sweep_id": sweep_dir.name,
-        "spec_file": str(Path(spec_path).resolve()),
-        "spec": dataclasses.asdict(spec),
-        "profile": p.name,
-        "array_job_id": None,
-        "submitted_at": None,
-        "trials": [{"index": t.index, "overrides": t.overrides, "run_dir": str(sweep_dir / "trials" / str(t.index)),
-                    "args": t.task_args(sweep_dir)} for t in trials],
-    }
+    record = _record(spec_path, spec, p, trials, sweep_dir)
     try:  # written before submitting: a folder that cannot hold the record stops the sweep before anything runs
         (sweep_dir / "trials").mkdir()
         write_json(sweep_dir / "sweep.json", record)

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from cluster.trials import fmt, is_number
 from trainer.core.errors import UserError
 from trainer.core.files import load_yaml
+from trainer.core.legacy import LEGACY
 
 METRICS = ("test_accuracy", "test_loss", "train_samples_per_s", "train_time_s", "global_step")
 """Numeric keys of a run's result.json that a sweep can rank trials by."""
@@ -28,8 +29,8 @@ DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform")
 MAX_TRIALS = 1000
 """Slurm's default MaxArraySize is 1001 (indexes 0-1000): larger arrays are refused at submission."""
 
-PER_TRIAL = ("run.dir", "run.name", "tracking.group", "checkpoint.signal")
-"""Trainer keys the sweep sets for every trial itself (submitit warns with USR2: the trainer must save on it)."""
+PER_TRIAL = ("run.dir", "run.name", "tracking.group")
+"""Trainer keys the sweep sets for every trial itself (the run folder as RUN_DIR)."""
 
 
 
@@ -78,13 +79,11 @@ class Trial:
     """The spec runs a command, not the built-in trainer."""
 
     def task_args(self, sweep_dir: Path) -> list[str]:
-        """The trial's full trainer arguments, as TrainTask gets them: the warning signal submitit sends (first,
-        as `python -m cluster submit` does), ``args``, then its own run folder, W&B group and run name.
-        A command gets ``args`` as they are (its run folder is RUN_DIR)."""
+        """The trial's full trainer arguments, as TrainTask gets them: ``args``, then its W&B group and run name (its
+        run folder is RUN_DIR, which the array's batch script sets per task). A command gets ``args`` as they are."""
         if self.command:
             return list(self.args)
-        return ["checkpoint.signal=SIGUSR2", *self.args, f"run.dir={sweep_dir / 'trials' / str(self.index)}",
-                f"tracking.group={sweep_dir.name}", f"run.name={sweep_dir.name}-{self.index}"]
+        return [*self.args, f"tracking.group={sweep_dir.name}", f"run.name={sweep_dir.name}-{self.index}"]
 
 
 def _err(key: str, message: str, hint: str) -> UserError:
@@ -201,6 +200,8 @@ def validate(spec: SweepSpec) -> None:
     if spec.command is not None:
         _check_command(spec)
     for key, value in spec.parameters.items():
+        if key in LEGACY and spec.command is None:
+            raise _err(f"parameters.{key}", f"is no longer a key ({LEGACY[key][1]})", "remove it from parameters")
         if key in PER_TRIAL and spec.command is None:
             raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
         _check_parameter(spec, key, value)
@@ -208,6 +209,8 @@ def validate(spec: SweepSpec) -> None:
         if not isinstance(arg, str):
             raise _err("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
         key = arg.split("=", 1)[0]
+        if key in LEGACY:
+            raise _err("args", f"{key} is no longer a key ({LEGACY[key][1]})", f"remove {arg!r} from args")
         if key in PER_TRIAL:
             raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
         if key in spec.parameters:

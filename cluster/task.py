@@ -37,8 +37,6 @@ class TrainTask:
 
         _leave_requeue_to_the_batch_script()
         args = self.args
-        if os.environ.get("RUN_DIR") and not any(a.startswith("run.dir=") for a in args):
-            args = [*args, f"run.dir={os.environ['RUN_DIR']}"]  # the folder the batch shell watches
         try:
             result = run(args)
         except UserError as err:  # shown by job.result() on the submitting side, without a deep traceback

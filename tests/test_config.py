@@ -118,3 +118,36 @@ def test_cli_help_lists_keys(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "checkpoint.resume" in proc.stdout
+
+
+def test_a_batch_script_of_the_previous_version_still_runs_its_injected_keys(tmp_path: Path) -> None:
+    """Queued jobs re-run the batch script they were submitted with: `checkpoint.signal=…` and `train.checksum=…`,
+    no longer keys, are taken as TRAINER_SIGNAL and TRAINER_CHECKSUM with one note each, and still do their job."""
+    import json
+    import signal
+    import time
+
+    from .conftest import SMALL
+
+    run = tmp_path / "run"
+    args = [*SMALL, "train.epochs=20", "checkpoint.signal=SIGUSR1", "train.checksum=true", "checkpoint.poll_steps=1",
+            f"run.dir={run}"]
+    env = clean_env({"TRAINER_CHECKSUM": "", "TRAINER_FAULTS": "step_delay_s=0.05"})
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (run / "events.jsonl").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGUSR1)  # the old script's checkpoint.signal: it must save, not kill
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out
+    assert "note: checkpoint.signal is no longer a key" in out and "taken as TRAINER_SIGNAL=SIGUSR1" in out
+    assert "note: train.checksum is no longer a key" in out and "Traceback" not in out
+    assert "signal" not in (run / "config.yaml").read_text() and "checksum" not in (run / "config.yaml").read_text()
+    env.pop("TRAINER_FAULTS")
+    done = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(json.loads((run / "result.json").read_text())["param_checksums"]) == 1

@@ -59,7 +59,7 @@ def test_rendered_container_scripts_pass_shellcheck(tmp_path: Path, runtime: str
 
 def env_reads() -> set[str]:
     """Every variable name trainer/core/env.py reads, from its source (string constants that look like variables)."""
-    tree = ast.parse((ROOT / "trainer" / "env.py").read_text())
+    tree = ast.parse((ROOT / "trainer" / "core" / "env.py").read_text())
     names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
              and re.fullmatch(r"[A-Z][A-Z0-9_]*[A-Z0-9]", n.value)}  # prefixes such as "SLURM_" are no names
     # W&B's netrc lookup (the container has its own home), and what the doctor reports about the host as it is.

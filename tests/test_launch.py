@@ -102,7 +102,8 @@ def test_bad_commands_are_clear(tmp_path: Path, args: list[str], field: str) -> 
 
 
 def test_the_session_api_saves_on_the_jobs_warning_signal_into_run_dir(tmp_path: Path) -> None:
-    """USR1 is not the session's default checkpoint.signal: TRAINER_SIGNAL tells it; RUN_DIR is its run folder."""
+    """USR1 is not one the session saves on by default (SIGUSR2, SIGTERM): TRAINER_SIGNAL tells it; RUN_DIR is its run
+    folder."""
     run = tmp_path / "run"
     proc = launch(["--signal", "USR1", "--", "python", str(ROOT / "examples" / "char_lm" / "train.py"),
                    "--max-steps", "400", "--max-bytes", "40000", "--eval-every", "1000", "checkpoint.poll_steps=1"],

@@ -91,10 +91,11 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
     rec = tmp / "calls.jsonl"
     run_dir = tmp / "run"
     for tool in ("srun", "scontrol"):
+        signal = ", os.environ.get('TRAINER_SIGNAL')" if tool == "srun" else ""  # srun's: what the tasks get
         leave_marker = f"open({str(run_dir / 'requeue.json')!r}, 'w').write('{{}}')\n" if marker and tool == "srun" else ""
         (bin_dir / tool).write_text(
             "#!/usr/bin/env python3\nimport json, os, sys\n"
-            f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR')]) + '\\n')\n"
+            f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR'){signal}]) + '\\n')\n"
             f"{leave_marker}sys.exit({rc if tool == 'srun' else 0})\n")
         (bin_dir / tool).chmod(0o755)
     run_dir.mkdir(exist_ok=True)
@@ -118,7 +119,9 @@ def test_hostile_overrides_arrive_verbatim_and_nothing_executes(tmp_path: Path, 
     argv = srun[0][1]
     for arg in HOSTILE:
         assert arg in argv
-    assert f"run.dir={hostile_dir}" in argv
+    # The run folder reaches the trainer as RUN_DIR, the warning signal as TRAINER_SIGNAL: neither as a key.
+    assert srun[0][2] == str(hostile_dir.resolve()) and srun[0][3] == "SIGUSR2"  # type: ignore[index]
+    assert not any(a.startswith(("run.dir=", "checkpoint.signal=")) for a in argv)
     assert not list(tmp_path.rglob("pwned")) and not list(Path.cwd().glob("pwned"))
 
 
@@ -165,10 +168,11 @@ def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture
     assert "error: CLUSTER" in capsys.readouterr().err
     assert cluster_main(["submit", "--cluster", "dev", "--dry-run", "--", "optim.lrr=1"]) == 2
     assert "error: optim.lrr" in capsys.readouterr().err
-    for launcher in ("submitit", "sbatch"):  # the launcher warns with the profile's signal: the trainer must save on it
-        assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--", "checkpoint.signal=SIGINT"]) == 2
-        assert capsys.readouterr().err.startswith("error: checkpoint.signal: 'SIGINT' is not the signal")
-    assert cluster_main(["submit", "--dry-run", "--", "checkpoint.signal=SIGUSR2"]) == 0
+    for launcher in ("submitit", "sbatch"):  # the job's warning signal is the profile's: no trainer key names it
+        for sig in ("SIGINT", "SIGUSR2"):
+            assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--", f"checkpoint.signal={sig}"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: checkpoint.signal: is no longer a key") and "HINT: leave it out" in err
 
 
 def test_render_refuses_quotes_in_log_dir() -> None:

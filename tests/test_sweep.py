@@ -84,7 +84,7 @@ BAD_SPECS = [
     ("parameters: {optim.lr: [1, 1.0]}", "sweep.parameters.optim.lr", "twice"),
     ("parameters: {optim: {lr: [0.1, 0.2]}}", "sweep.parameters.optim", "group of keys"),
     ("args: [{train.epochs: 1}]\n" + GRID, "sweep.args", "key=value strings"),
-    ("args: [checkpoint.signal=SIGTERM]\n" + GRID, "sweep.args", "per trial"),
+    ("args: [checkpoint.signal=SIGTERM]\n" + GRID, "sweep.args", "no longer a key"),
     ("method: random\ntrials: 5\nparameters: {optim.name: [sgd, adamw], data.batch_size: [32, 64]}",
      "sweep.trials", "only 4"),
     ("method: random\ntrials: 4\nparameters: {data.batch_size: {distribution: int_uniform, min: 16, max: 18}}",
@@ -137,8 +137,8 @@ def test_grid_is_the_cartesian_product_in_a_stable_order(tmp_path: Path) -> None
     assert trials[3].args == ["train.epochs=1", "optim.lr=0.05", "data.batch_size=64"]
     assert plan(spec) == trials
     folder = tmp_path / "sweeps" / "s-20250101-000000"
-    assert trials[3].task_args(folder) == ["checkpoint.signal=SIGUSR2", *trials[3].args, f"run.dir={folder}/trials/3",
-                                           "tracking.group=s-20250101-000000", "run.name=s-20250101-000000-3"]
+    assert trials[3].task_args(folder) == [*trials[3].args, "tracking.group=s-20250101-000000",
+                                           "run.name=s-20250101-000000-3"]  # the run folder comes as RUN_DIR
 
 
 def test_grid_values_render_as_the_trainer_reads_them(tmp_path: Path) -> None:
@@ -340,7 +340,7 @@ def test_dry_run_prints_the_trials_and_submitits_array_script(tmp_path: Path, mo
     runs = [line for line in out.splitlines() if line.startswith("# trial ")]
     assert len(runs) == 4
     argv = shlex.split(runs[2].split(" runs: ", 1)[1])  # the quoting holds: the value comes back whole
-    assert argv[:4] == ["python", "-m", "trainer", "checkpoint.signal=SIGUSR2"]
+    assert argv[:3] == ["python", "-m", "trainer"] and not any(a.startswith(("checkpoint.signal=", "run.dir=")) for a in argv)
     assert f"tracking.project={hostile}" in argv and "optim.lr=0.1" in argv and "data.batch_size=32" in argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]  # nothing written, nothing submitted
 

@@ -16,7 +16,7 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
-export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
 rm -f "$RUN_DIR/requeue.json"
 # What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
@@ -34,7 +34,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
-      -m trainer.doctor checkpoint.signal=SIGUSR2 run.dir="$RUN_DIR" \
+      -m trainer.doctor \
     || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 rc=0

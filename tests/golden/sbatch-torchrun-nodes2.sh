@@ -16,7 +16,7 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
-export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
 rm -f "$RUN_DIR/requeue.json"
 # What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
@@ -37,7 +37,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
-      -m trainer.doctor checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" \
+      -m trainer.doctor optim.lr=0.1 "$@" \
     || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 rc=0
@@ -46,7 +46,7 @@ port=$(( 15000 + SLURM_JOB_ID % 15000 ))
 srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
     --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
-    -m trainer checkpoint.signal=SIGUSR2 optim.lr=0.1 run.dir="$RUN_DIR" "$@" || rc=$?
+    -m trainer optim.lr=0.1 "$@" || rc=$?
 
 # Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
 # another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).

@@ -16,7 +16,7 @@
 
 # setup
 export OMP_NUM_THREADS=1
-export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID}
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
 rm -f "$RUN_DIR/requeue.json"
 # What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
@@ -28,7 +28,7 @@ job_event() {
 job_event job_start
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
-  srun --kill-on-bad-exit=1 apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer.doctor optim.lr=0.1 run.dir="$RUN_DIR" \
+  srun --kill-on-bad-exit=1 apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer.doctor optim.lr=0.1 \
     || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
 fi
 

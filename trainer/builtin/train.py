@@ -228,7 +228,7 @@ class Trainer:
         }
         if not cfg.task.target:
             result["chance_accuracy"] = 1 / cfg.model.num_classes
-        if cfg.train.checksum:  # a full copy of the model to the CPU on every rank: opt-in
+        if self.sess.job.checksum:  # a full copy of the model to the CPU on every rank: opt-in (TRAINER_CHECKSUM=1)
             result["param_checksums"] = gather(param_checksum(self.model))
         return result
 

@@ -29,6 +29,21 @@ PLAIN = (int, float, str, bool, type(None))
 """Exact types: numpy's float64 is a float subclass that pickles as numpy and does not load back."""
 
 
+def check_names(objects: dict[str, Any]) -> None:
+    """Refuse restored objects named like the session's own checkpoint fields."""
+    taken = sorted(set(objects) & set(RESERVED))
+    if taken:
+        raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
+                         f"({', '.join(RESERVED)}): pass it under another name")
+
+
+def own_fields(step: int, world_size: int, config: dict[str, Any], run_id: str | None,
+               meta: dict[str, Any]) -> dict[str, Any]:
+    """The session's own fields of a checkpoint (RESERVED, less ``rng``, which the checkpointer adds)."""
+    return {"step": step, "world_size": world_size, "config": config, "version": STATE_VERSION,
+            "tracking": {"run_id": run_id}, "meta": meta}
+
+
 class PerRank:
     """Wrap a stateful object whose state differs per rank (an iterable data set's position, a ``torch.Generator``):
     saved from every rank, restored to the same rank when the world size is unchanged."""

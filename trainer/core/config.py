@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-import signal
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -20,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.core.errors import UserError
 from trainer.core.files import load_yaml
+from trainer.core.legacy import LEGACY, take_legacy
 
 
 @dataclass
@@ -114,8 +114,6 @@ class TrainConfig:
     sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless already set, as cuBLAS requires."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cpu or cuda."""
-    checksum: bool = False
-    """At the end, hash every parameter on every rank into result.json (a full model copy to the CPU: for tests)."""
 
 
 @dataclass
@@ -151,8 +149,6 @@ class CheckpointConfig:
     async_save: bool = False
     """Write periodic checkpoints in a background thread; training pauses only to copy the state into host
     buffers kept for the run (one extra host copy of the model and optimizer state)."""
-    signal: str = "SIGUSR2"
-    """Signal that asks for save-and-requeue (SIGTERM always does too)."""
     poll_steps: int = 10
     """Optimizer steps between the ranks' checks for a signal or a timed save (and at every epoch end)."""
     format: str = "auto"
@@ -295,6 +291,9 @@ def load(args: list[str]) -> Config:
             raise _err(str(key), f"in {name}: {_describe(exc)}") from None
     for item in overrides:
         key, value = item.split("=", 1)
+        if key in LEGACY:
+            take_legacy(key, value)
+            continue
         free = key in FREE_FORM or key.startswith(tuple(f"{k}." for k in FREE_FORM))  # the user's own kwargs
         if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING and not free:
             group = key.split(".")[0]
@@ -361,9 +360,6 @@ def validate(cfg: Config) -> None:
                    "use train.precision=bf16: parameters in bf16, gradients reduced in fp32")
     if cfg.dist.activation_checkpointing and cfg.dist.strategy != "fsdp":
         raise _err("dist.activation_checkpointing", "applies to the blocks FSDP shards", "add dist.strategy=fsdp")
-    sig = getattr(signal, cfg.checkpoint.signal, None)
-    if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
-        raise _err("checkpoint.signal", f"unknown signal {cfg.checkpoint.signal!r}", "e.g. checkpoint.signal=SIGUSR2")
 
 
 def to_yaml(cfg: Config) -> str:

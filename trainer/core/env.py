@@ -25,7 +25,7 @@ TRAINER_VARIABLES = (
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
-    "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL",
+    "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -72,7 +72,11 @@ class JobInfo:
     run_dir: str | None = None
     """RUN_DIR: the run folder the batch script watches for the requeue marker (the session's default run.dir)."""
     warning_signal: str | None = None
-    """TRAINER_SIGNAL: the signal Slurm warns this job with (e.g. SIGUSR2), set by `python -m trainer.launch`."""
+    """TRAINER_SIGNAL: the signal Slurm warns this job with (e.g. SIGUSR2), set by the batch script and by
+    `python -m trainer.launch`; it saves like SIGUSR2 and SIGTERM."""
+    checksum: bool = False
+    """TRAINER_CHECKSUM=1: at the end, every rank's parameter hash in result.json (a full model copy to the CPU; the
+    tests' proof that the ranks agree)."""
 
 
 def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
@@ -96,6 +100,7 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         wandb_key=key,
         run_dir=env.get("RUN_DIR") or None,
         warning_signal=env.get("TRAINER_SIGNAL") or None,
+        checksum=env.get("TRAINER_CHECKSUM") == "1",
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.core.config import Config
-from trainer.core.env import DistEnv, HostFacts, JobInfo, host_facts
+from trainer.core.env import DistEnv, HostFacts, JobInfo, host_facts, job_info
 from trainer.core.errors import UserError
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
@@ -201,7 +201,7 @@ def check_run_folder(cfg: Config, env: DistEnv) -> Check:
     """Every rank writes a probe file; rank 0 must see all of them (a folder on shared storage)."""
     import torch.distributed as dist
 
-    root = Path(cfg.run.dir or "runs").absolute()
+    root = Path(cfg.run.dir or job_info().run_dir or "runs").absolute()  # RUN_DIR: the batch script's run folder
     token = [f"{env.job_id or 'local'}-{os.getpid()}-{time.time_ns() % 10**9}"]
     dist.broadcast_object_list(token, src=0)
     probe = root / f".doctor-{token[0]}"

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.core import config as config_mod
 from trainer.core.env import DistEnv, discover, host_facts, job_info, without_placement
@@ -43,6 +44,9 @@ from trainer.doctor.checks import (
     container_spec,
     shared_gpus,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_FAILED = 1
 
@@ -112,8 +116,26 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
               check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
 
-    import torch
+    from trainer.core import dist as tdist
 
+    started = _start_group(cfg, env, checks, host)
+    if started is None:
+        return report_alone(checks, env, host, "no process group")
+    device, debug_dir = started
+    try:
+        rows = _collective_checks(cfg, env, device, debug_dir, checks, host)
+    finally:
+        tdist.teardown()
+        if debug_dir:
+            shutil.rmtree(debug_dir, ignore_errors=True)
+    if rows is None:
+        return report_alone(checks, env, host, "the process group broke")
+    return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
+
+
+def _start_group(cfg: config_mod.Config, env: DistEnv, checks: list[Check],
+                 host: str) -> tuple[torch.device, Path | None] | None:
+    """The device and the process group (NCCL's debug log on GPUs); None, with a failed row added, when it fails."""
     from trainer.core import dist as tdist
 
     debug_dir = None
@@ -135,7 +157,16 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
         checks.append(Check("process group", FAIL, f"rank {env.rank} on {host}: {message}", hint))
         if debug_dir:
             shutil.rmtree(debug_dir, ignore_errors=True)
-        return report_alone(checks, env, host, "no process group")
+        return None
+    return device, debug_dir
+
+
+def _collective_checks(cfg: config_mod.Config, env: DistEnv, device: torch.device, debug_dir: Path | None,
+                       checks: list[Check], host: str) -> list[Check] | None:
+    """The checks that need every rank, then every rank's rows gathered and printed by rank 0; None, with the
+    failed check's row replaced in ``checks``, when a peer dies or a collective times out."""
+    import torch
+
     step = "process group"  # the check whose collectives run now: names the row when a peer dies or times out
     try:
         checks.append(Check("process group", PASS, f"{torch.distributed.get_backend()}, {env.world_size} rank(s) on "
@@ -165,14 +196,10 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     except Exception as exc:  # a peer died, a connection closed, or a collective timed out (after --timeout)
         hint = ("another rank died or stalled (its own output says why: out of memory, killed, a node failure) "
                 "or the network between the nodes dropped; a stalled rank fails the others after --timeout seconds")
-        checks = [c for c in checks if c.name != step]
+        checks[:] = [c for c in checks if c.name != step]
         checks.append(Check(step, FAIL, f"rank {env.rank} on {host}: {describe(exc)}", hint))
-        return report_alone(checks, env, host, "the process group broke")
-    finally:
-        tdist.teardown()
-        if debug_dir:
-            shutil.rmtree(debug_dir, ignore_errors=True)
-    return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
+        return None
+    return rows
 
 
 def worst_exit(codes: list[int]) -> int:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.core.events import read
+from trainer.core.env import DistEnv, JobInfo
+from trainer.core.events import git_commit, read, versions
 
 
 @dataclass
@@ -102,3 +103,10 @@ def summary(f: dict[str, Any]) -> dict[str, float]:
     """The figures a tracker's run summary keeps (goodput and what it is made of)."""
     return {"goodput": f["goodput"], "productive_node_s": f["productive_node_s"],
             "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"]}
+
+
+def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, **more: Any) -> dict[str, Any]:
+    """The facts an ``attempt`` event records: when and where this start of the job runs, and what it continues."""
+    return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count,
+                array_job_id=job.array_job_id, array_task_id=job.array_task_id, nodes=env.num_nodes,
+                processes=env.world_size, resumed_step=resumed_step, **more, git=git_commit(Path.cwd()), **versions())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,3 +96,22 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
 
+
+def eval_batches(model: nn.Module | None, loader: Iterable[Any], device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
+    so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
+    if model is None or not is_sharded(model):
+        for batch in loader:
+            yield batch, True
+        return
+    last, batches = None, iter(loader)
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
+        if not more.item():
+            return
+        if batch is None and last is None:
+            raise RuntimeError("this rank's evaluation shard is empty: use fewer processes or more evaluation data")
+        last = batch if batch is not None else last
+        yield last, batch is not None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -36,17 +35,28 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed, find
-from trainer.checkpoint.state import RESERVED, STATE_VERSION, PerRank, check_plain, collect, restore_objects
+from trainer.checkpoint.state import (
+    STATE_VERSION,
+    PerRank,
+    check_names,
+    check_plain,
+    collect,
+    own_fields,
+    restore_objects,
+)
 from trainer.core import dist as tdist
 from trainer.core.config import Config, load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.errors import EXIT_REQUEUE
-from trainer.core.events import EventLog, git_commit, process_start, versions
-from trainer.runtime.fsdp import is_sharded, no_sync, shard
+from trainer.core.events import EventLog, process_start
+from trainer.core.legacy import deprecations
+from trainer.runtime import attempts
+from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
 from trainer.runtime.preemption import Preemption, SavePolicy
 from trainer.runtime.rundir import RunDir
+from trainer.runtime.saves import Saves
 from trainer.runtime.tracking import Tracker
 from trainer.testing import faults as faults_mod
 
@@ -65,10 +75,12 @@ class Session:
         self.faults = faults_mod.load()
         self.device = tdist.pick_device(self.env, self.cfg.train.device)
         self.job = job_info()
-        # The job's warning signal (set by `python -m trainer.launch`) saves too, whatever checkpoint.signal says.
+        # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
         warning = self.job.warning_signal or ""
         warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
-        self.signals = tuple({getattr(signal, self.cfg.checkpoint.signal), signal.SIGTERM, *warned})
+        self.signals = tuple({signal.SIGUSR2, signal.SIGTERM, *warned})
+        for note in deprecations:
+            tdist.say(self.env, note)
         self._attributes()
         tdist.setup(self.env, self.cfg, self.device)
         try:  # from here on a failure must not leave the process group behind
@@ -83,8 +95,7 @@ class Session:
         watchdog, the checkpointer, the save policy, the tracker): before it, using them says so."""
         self.run: RunDir | None = None
         self._heartbeat: Heartbeat | None = None
-        self._checkpointer: Checkpointer | None = None
-        self._policy: SavePolicy | None = None
+        self._saves: Saves | None = None
         self._tracker: Tracker | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[DataLoader[Any]] = []
@@ -94,16 +105,12 @@ class Session:
         """The last step ``steps`` handed out (or ``restore`` returned)."""
         self.steps_here = 0
         """Steps this process finished."""
-        self.saved_step: int | None = None
         self.preempted_by: signal.Signals | None = None
         self.summary: dict[str, Any] = {}
         """What ``finish`` wrote to result.json (on every rank)."""
-        self.last_path: Path | None = None
-        self.stall_s = 0.0
         self.started_at = process_start()
         self.events = EventLog(None)
         """Rank 0's event log (events.jsonl), opened with the run folder."""
-        """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
         self.model: nn.Module | None = None
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         fmt = self.cfg.checkpoint.format
@@ -116,14 +123,18 @@ class Session:
         return _opened(self._heartbeat)
 
     @property
-    def checkpointer(self) -> Checkpointer:
-        """Saves and commits checkpoints in the run folder, single-file or sharded alike (from ``restore``)."""
-        return _opened(self._checkpointer)
+    def saves(self) -> Saves:
+        """The checkpointer (single-file or sharded alike), when to save, the last save and the stalls (``restore``)."""
+        return _opened(self._saves)
 
     @property
-    def policy(self) -> SavePolicy:
-        """When to save: signals, ``every_steps``, ``every_minutes`` (from ``restore``)."""
-        return _opened(self._policy)
+    def checkpointer(self) -> Checkpointer:
+        return self.saves.checkpointer
+
+    @property
+    def last_path(self) -> Path | None:
+        """The newest checkpoint of this run: saved, or resumed from."""
+        return self._saves.last_path if self._saves else None
 
     @property
     def tracker(self) -> Tracker:
@@ -160,21 +171,7 @@ class Session:
     def eval_batches(self, loader: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
         so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
-        if self.model is None or not is_sharded(self.model):
-            for batch in loader:
-                yield batch, True
-            return
-        last, batches = None, iter(loader)
-        while True:
-            batch = next(batches, None)
-            more = torch.tensor([batch is not None], dtype=torch.int32, device=self.device)
-            torch.distributed.all_reduce(more, op=torch.distributed.ReduceOp.MAX)
-            if not more.item():
-                return
-            if batch is None and last is None:
-                raise RuntimeError("this rank's evaluation shard is empty: use fewer processes or more evaluation data")
-            last = batch if batch is not None else last
-            yield last, batch is not None
+        return eval_batches(self.model, loader, self.device)
 
     def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
@@ -198,33 +195,27 @@ class Session:
     def restore(self, **objects: Any) -> int:
         """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
         load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
-        taken = sorted(set(objects) & set(RESERVED))
-        if taken:
-            raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
-                             f"({', '.join(RESERVED)}): pass it under another name")
+        check_names(objects)
         self.objects = objects
         self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
         self._heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
-        self._checkpointer = open_checkpointer(
-            self.sharded_checkpoints, self.run.checkpoints, self.env.is_main, self.cfg.checkpoint.keep,
-            self.faults.save_delay_s, on_write=self.heartbeat.alive, model=self.model)
-        self._policy = SavePolicy(self.cfg.checkpoint, self.env, self.preemption)
-        self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)  # started below, once the run id is known
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None
         if self.resumed:
             restore_objects(self.resumed, objects, self.env, self.model, self.print)
-            self.step = self.saved_step = int(self.resumed.state["step"])
-            self.last_path = self.resumed.path
+            self.step = int(self.resumed.state["step"])
             run_id = self.resumed.state.get("tracking", {}).get("run_id")
-        self.tracker.start({**self.config_dict, **self.extra_config}, run_id)
+        self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)
+        self._tracker.start({**self.config_dict, **self.extra_config}, run_id)
         self.events = EventLog(self.run.path if self.env.is_main else None)
+        checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
+                                         self.cfg.checkpoint.keep, self.faults.save_delay_s,
+                                         on_write=self._heartbeat.alive, model=self.model)
+        self._saves = Saves(checkpointer, SavePolicy(self.cfg.checkpoint, self.env, self.preemption), self._heartbeat,
+                            self.events, self.env.is_main, (self.step, self.resumed.path) if self.resumed else None)
         if self.env.is_main:
-            self.events.emit("attempt", durable=True, started=round(self.started_at, 3), job_id=self.env.job_id,
-                             restart=self.job.restart_count, array_job_id=self.job.array_job_id,
-                             array_task_id=self.job.array_task_id, nodes=self.env.num_nodes,
-                             processes=self.env.world_size, strategy=self.cfg.dist.strategy, resumed_step=self.step,
-                             git=git_commit(Path.cwd()), **versions())
+            self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
+                                                                 strategy=self.cfg.dist.strategy))
         if self.resumed:
             self.print(f"resumed from {self.resumed.path} at step {self.step}")
         return self.step
@@ -273,9 +264,9 @@ class Session:
         """Whether to save now: a preemption signal (agreed across ranks every ``checkpoint.poll_steps`` steps),
         ``checkpoint.every_steps`` or ``every_minutes``. Every rank must call it at the same steps."""
         # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
-        self.request_stop(self.faults.after_step(self.steps_here + 1, self.cfg.checkpoint.signal))
+        self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2"))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
-        signum, due = self.policy.poll(step, force_poll)
+        signum, due = self.saves.policy.poll(step, force_poll)
         if force_poll or step % self.cfg.checkpoint.poll_steps == 0:
             self.events.emit("progress", step=step)
         if signum and self.preempted_by is None:
@@ -296,21 +287,9 @@ class Session:
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
         through_dcp, state = collect(self.objects, self.sharded_checkpoints)
-        state.update(step=step, world_size=self.env.world_size, config=self.config_dict, version=STATE_VERSION,
-                     tracking={"run_id": self.tracker.run_id}, meta=self.extra_config)
-        self.heartbeat.beat("checkpoint save", step)
-        started = time.perf_counter()
-        # Sharded: every rank writes its shards, no rank waits on another. One file: rank 0 beats while it writes.
-        with self.heartbeat.waiting(self.checkpointer.every_rank_writes or not self.env.is_main):
-            path = self.checkpointer.save(state, step, blocking=blocking, sharded=through_dcp)
-        self.stall_s += time.perf_counter() - started  # training waited this long (the copy, for async saves)
-        self.saved_step, self.last_path = step, path
-        self.policy.saved()
+        state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
+        path = self.saves.save(state, through_dcp, step, blocking)
         self.tracker.flush()
-        if self.env.is_main:  # a background save's size is not known yet: its time is the stall
-            size = _size_on_disk(path) if blocking else None
-            self.events.emit("checkpoint", durable=True, step=step, stall_s=round(time.perf_counter() - started, 4),
-                             blocking=blocking, bytes=size, path=str(path))
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
@@ -319,7 +298,7 @@ class Session:
         run = self._run()
         self.heartbeat.stop()
         self.checkpointer.wait()
-        if self.saved_step != self.step:
+        if self.saves.saved_step != self.step:
             self.save(self.step)
         path = str(self.last_path)
         if self.preempted_by is not None:
@@ -332,7 +311,7 @@ class Session:
         summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
-                   "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.stall_s, 4),
+                   "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.saves.stall_s, 4),
                    "strategy": self.cfg.dist.strategy, **(result or {})}
         self.summary = summary
         run.write_result(summary)
@@ -349,8 +328,8 @@ class Session:
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             try:
-                if self._checkpointer is not None:
-                    self._checkpointer.wait()
+                if self._saves is not None:
+                    self._saves.checkpointer.wait()
             finally:
                 if self._tracker is not None:
                     self._tracker.finish()
@@ -377,7 +356,3 @@ def _opened(part: _T | None) -> _T:
         raise RuntimeError("call Session.restore(...) first: it opens the run folder and loads the checkpoint")
     return part
 
-
-def _size_on_disk(path: Path) -> int:
-    """Bytes of a checkpoint: one file, or a sharded step folder's files."""
-    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size

@@ -1,0 +1,49 @@
+"""A run's saves as the session takes them: the checkpointer (either format), when to save (the policy), and what
+each save cost the training ranks (its stall), recorded in the event log. The cadence and deadline work lands here."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.base import Checkpointer
+from trainer.core.events import EventLog
+from trainer.runtime.heartbeat import Heartbeat
+from trainer.runtime.preemption import SavePolicy
+
+
+class Saves:
+    """Saves through ``checkpointer`` under the hang watchdog; remembers the last one and the stalls so far."""
+
+    def __init__(self, checkpointer: Checkpointer, policy: SavePolicy, heartbeat: Heartbeat, events: EventLog,
+                 is_main: bool, resumed: tuple[int, Path] | None) -> None:
+        self.checkpointer, self.policy, self.heartbeat, self.events = checkpointer, policy, heartbeat, events
+        self.is_main = is_main
+        self.saved_step: int | None = resumed[0] if resumed else None
+        """The step of the newest checkpoint this run has (saved or resumed from)."""
+        self.last_path: Path | None = resumed[1] if resumed else None
+        self.stall_s = 0.0
+        """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
+
+    def save(self, state: dict[str, Any], sharded: dict[str, Any], step: int, blocking: bool) -> Path:
+        """Collective: commit ``state`` (and the ``sharded`` objects) as step ``step``; the event log gets its stall."""
+        self.heartbeat.beat("checkpoint save", step)
+        started = time.perf_counter()
+        # Sharded: every rank writes its shards, no rank waits on another. One file: rank 0 beats while it writes.
+        with self.heartbeat.waiting(self.checkpointer.every_rank_writes or not self.is_main):
+            path = self.checkpointer.save(state, step, blocking=blocking, sharded=sharded)
+        stall = time.perf_counter() - started  # training waited this long (the copy, for async saves)
+        self.stall_s += stall
+        self.saved_step, self.last_path = step, path
+        self.policy.saved()
+        if self.is_main:  # a background save's size is not known yet: its time is the stall
+            size = _size_on_disk(path) if blocking else None
+            self.events.emit("checkpoint", durable=True, step=step, stall_s=round(stall, 4), blocking=blocking,
+                             bytes=size, path=str(path))
+        return path
+
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes of a checkpoint: one file, or a sharded step folder's files."""
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
