@@ -171,6 +171,20 @@ def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
         raise _err(f"{where}.min", f"log_uniform needs min > 0, got {lo}", f"e.g. {example}")
 
 
+def _check_args(spec: SweepSpec) -> None:
+    """The spec's fixed trainer arguments: key=value strings, none set per trial, swept, or of an earlier version."""
+    for arg in spec.args:
+        if not isinstance(arg, str):
+            raise _err("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
+        key = arg.split("=", 1)[0]
+        if key in LEGACY:
+            raise _err("args", f"{key} is no longer a key ({LEGACY[key][1]})", f"remove {arg!r} from args")
+        if key in PER_TRIAL:
+            raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
+        if key in spec.parameters:
+            raise _err("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
+
+
 def validate(spec: SweepSpec) -> None:
     """Reject a spec no sweep can run (the trainer checks each trial's values later, in :func:`check_trials`)."""
     if not re.fullmatch(r"[A-Za-z0-9._-]+", spec.name):
@@ -205,16 +219,7 @@ def validate(spec: SweepSpec) -> None:
         if key in PER_TRIAL and spec.command is None:
             raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
         _check_parameter(spec, key, value)
-    for arg in spec.args:
-        if not isinstance(arg, str):
-            raise _err("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
-        key = arg.split("=", 1)[0]
-        if key in LEGACY:
-            raise _err("args", f"{key} is no longer a key ({LEGACY[key][1]})", f"remove {arg!r} from args")
-        if key in PER_TRIAL:
-            raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
-        if key in spec.parameters:
-            raise _err("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
+    _check_args(spec)
     space = _space(spec) if spec.method == "random" else math.inf
     if spec.trials and spec.trials > space:
         raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {space}",

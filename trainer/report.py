@@ -55,24 +55,15 @@ def plots(runs: list[Attempt], out: Path) -> dict[str, Path]:
         for k, pts in sorted(series.items()):
             if "loss" in k:
                 ax.plot(*zip(*pts, strict=True), marker=".", label=f"{k} (attempt {i + 1})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("Loss across attempts")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    made["loss"] = _save(fig, out / "report-loss.png")
+    made["loss"] = _save(fig, out / "report-loss.png", ("step", "loss", "Loss across attempts"))
     fig, ax = plt.subplots(figsize=(6, 3.0))
     for i, a in enumerate(runs):
         marks = [(e["t"], e["step"]) for e in a.events if e["event"] in ("first_step", "progress")]
         rate = [(t - t0, (s - s_prev) / (t - t_prev)) for (t_prev, s_prev), (t, s) in pairwise(marks) if t > t_prev]
         if rate:
             ax.plot(*zip(*rate, strict=True), marker=".", label=f"attempt {i + 1}")
-    ax.set_xlabel("seconds since the first start")
-    ax.set_ylabel("steps/s")
-    ax.set_title("Throughput")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    made["throughput"] = _save(fig, out / "report-throughput.png")
+    made["throughput"] = _save(fig, out / "report-throughput.png", ("seconds since the first start", "steps/s",
+                                                                     "Throughput"))
     fig, ax = plt.subplots(figsize=(6, 0.6 + 0.45 * len(runs)))
     for i, a in enumerate(runs):
         y = len(runs) - i
@@ -90,7 +81,15 @@ def plots(runs: list[Attempt], out: Path) -> dict[str, Path]:
     return made
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Any, path: Path, labels: tuple[str, str, str] | None = None) -> Path:
+    """Write ``fig`` as a PNG (``labels``: its one axes' x label, y label and title, with a legend for its lines)."""
+    if labels:
+        ax = fig.axes[0]
+        ax.set_xlabel(labels[0])
+        ax.set_ylabel(labels[1])
+        ax.set_title(labels[2])
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt
