@@ -30,6 +30,7 @@ def slurm_env() -> dict[str, str]:
         pytest.skip("dev cluster is down: `make dev-cluster` starts it")
     env = exported(SCRIPT, {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     env["PYTHONUNBUFFERED"] = "1"
+    env["TRAINER_CHECKSUM"] = "1"  # sbatch passes it on: every rank's parameter hash in result.json
     return env
 
 

@@ -434,7 +434,8 @@ def test_grid_sweep_runs_as_one_throttled_array_on_the_dev_cluster(slurm_env: di
         results[i] = json.loads((run / "result.json").read_text())["test_accuracy"]
         cfg = OmegaConf.load(run / "config.yaml")
         assert (cfg.optim.lr, cfg.data.batch_size) == (lr, batch)
-        assert (cfg.run.dir, cfg.tracking.group, cfg.run.name) == (str(run), folder.name, f"{folder.name}-{i}")
+        # The trial's folder came as RUN_DIR (its config.yaml is here), not as a key the sweep injected.
+        assert (cfg.run.dir, cfg.tracking.group, cfg.run.name) == (None, folder.name, f"{folder.name}-{i}")
         (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
         (run_record,) = [r.run for r in records(wandb_file) if r.WhichOneof("record_type") == "run"]
         assert (run_record.run_group, run_record.display_name) == (folder.name, f"{folder.name}-{i}")

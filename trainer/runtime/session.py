@@ -129,6 +129,7 @@ class Session:
 
     @property
     def checkpointer(self) -> Checkpointer:
+        """Saves, waits for and finds this run's checkpoints, whatever their format (from ``restore``)."""
         return self.saves.checkpointer
 
     @property
