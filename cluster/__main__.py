@@ -1,11 +1,13 @@
-"""``python -m cluster submit|render|sweep|sweep-status``: what `make submit`, `make sweep` and the template
+"""``python -m cluster submit|render|sweep|sweep-status|suspects``: what `make submit`, `make sweep` and the template
 regeneration call."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from cluster import suspects
 from cluster.command import Command
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a profile key (after the spec's profile:)")
     st = sub.add_parser("sweep-status", help="print a sweep's trials ranked by its metric")
     st.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
+    sp = sub.add_parser("suspects", help="list the nodes jobs blamed (new jobs exclude them), or clear one")
+    sp.add_argument("--clear", metavar="NODE", help="forget NODE (all: every node)")
     ns = parser.parse_args(argv)
     return exit_code_of(lambda: _dispatch(ns))
 
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "sweep-status":
         return show_status(ns.sweep_dir)
+    if ns.command == "suspects":
+        return suspects.show(Path(suspects.default_path()), ns.clear)
     bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
     if bad:
         raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")

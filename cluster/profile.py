@@ -63,6 +63,11 @@ class Profile:
     """Seconds before the time limit that the signal is sent (enough for one save)."""
     max_requeues: int = 3
     """Requeues after a preemption or time-limit save before the job gives up."""
+    max_failures: int = 3
+    """Retries after an infrastructure failure (a rank killed, a lost peer, a hang, a node failing the doctor), each
+    without the blamed node; a user error or an out-of-memory is never retried."""
+    suspect_hours: float = 24.0
+    """How long a blamed node stays on the suspects list that new jobs exclude (`python -m cluster suspects`)."""
     requeue_on_signal: bool = False
     """Commands (CMD=…) that do not save on the warning: stop them shortly before the time limit and requeue the
     job anyway (they start again, from their own checkpoints if they keep any)."""
@@ -122,7 +127,8 @@ def validate(p: Profile) -> None:
     for key in ("nodes", "time_min", "cpus_per_task"):
         if getattr(p, key) < 1:
             raise _err(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
-    for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues"):
+    for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues", "max_failures",
+                "suspect_hours"):
         if getattr(p, key) < 0:
             raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):

@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster.command import Command
 from cluster.profile import Profile
 from trainer.core.env import PORT_BASE, PORT_SPAN
-from trainer.core.errors import EXIT_REQUEUE, UserError
+from trainer.core.errors import UserError
 
 
 def sbatch_directives(p: Profile) -> list[str]:
@@ -130,26 +130,27 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
     return [f'{srun} {py} -m trainer.launch {words} "$@"']
 
 
-def requeue_rule(p: Profile, report: str | None = None) -> list[str]:
-    """The requeue rule, the one copy for every launcher (sbatch scripts, submitit's teardown): after the tasks
-    ended with ``$rc``, requeue when they saved after a signal, at most ``max_requeues`` times. Requeueing happens
-    here, in the batch shell, outside any container. ``report``: the host's python, to write a command's run report
-    (the session API writes its own)."""
+def verdict_line(p: Profile, python: str, phase: str) -> str:
+    """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
+    ends the job, and its exit code is the job's."""
+    # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
+    return (f"trap '' TERM; {python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
+            f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g} || exit $?")
+
+
+def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
+    """The rule after the tasks ended with ``$rc``, the one copy for every launcher (sbatch scripts, submitit's
+    teardown): the verdict classifies the attempt by its first cause and requeues a preemption save (at most
+    ``max_requeues`` times) or an infrastructure failure (at most ``max_failures`` times, without the blamed nodes).
+    It runs here, in the batch shell, outside any container. ``report``: write a command's run report (the session
+    API writes its own)."""
     return [
-        f"# Exit {EXIT_REQUEUE}, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report",
-        "# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).",
         'job_event job_end ", \\"code\\": $rc"',
-        *([f'{report} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
+        *([f'{python} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
           if report else []),
-        f'if [[ $rc -eq {EXIT_REQUEUE} || -f "$RUN_DIR/requeue.json" ]]; then',
-        f"  if (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )); then",
-        '    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
-        '    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2',
-        "    exit 0",
-        "  fi",
-        f'  echo "not requeueing: {p.max_requeues} requeues done" >&2',
-        "fi",
-        'exit "$rc"',
+        "# Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).",
+        verdict_line(p, python, "train"),
+        "exit 0",
     ]
 
 
@@ -169,19 +170,32 @@ def run_dir_lines(default: str, warning: str) -> list[str]:
         '    >> "$RUN_DIR/events.jsonl" || true',
         "}",
         "job_event job_start",
+        'echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2',
     ]
 
 
-def doctor_step(p: Profile, launch: list[str]) -> list[str]:
-    """The optional preflight step: the doctor, launched exactly as training is; a failure ends the job."""
+def doctor_step(p: Profile, launch: list[str], python: str) -> list[str]:
+    """The optional preflight step: the doctor, launched exactly as training is; a node failing it is blamed and
+    the job requeued without it (the verdict)."""
     return [
         f"# Preflight checks on every node and GPU (profile doctor: {str(p.doctor).lower()}; DOCTOR=0|1 overrides).",
         f'if [[ "${{DOCTOR:-{int(p.doctor)}}}" == 1 ]]; then',
+        "  rc=0",
         *(f"  {line}" for line in launch[:-1]),
-        f"  {launch[-1]} \\",
-        '    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }',
+        f"  {launch[-1]} || rc=$?",
+        "  if (( rc )); then",
+        '    echo "preflight doctor failed (its table, or the launch error, is above)" >&2',
+        f"    {verdict_line(p, python, 'doctor')}",
+        "    exit 0",
+        "  fi",
         "fi",
     ]
+
+
+def host_python(p: Profile, python: str) -> str:
+    """The interpreter the batch shell runs the verdict with: the job's, or the host's python3 beside a container."""
+    # python3 on the host does not have the project installed: it imports it from the folder the job was submitted in.
+    return 'PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3' if p.container.runtime != "none" else shlex.quote(python)
 
 
 def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None,
@@ -205,11 +219,12 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
             'for arg in "$@"; do',
             '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
             "done",
-            *doctor_step(p, launch_line(p, python, args, module="trainer.doctor")),
+            *doctor_step(p, launch_line(p, python, args, module="trainer.doctor"), host_python(p, python)),
         ]
         launch = launch_line(p, python, args)
     else:
-        lines += doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False))
+        lines += doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False),
+                             host_python(p, python))
         launch = command_line(p, python, command)
-    report = shlex.quote(python) if command is not None and p.container.runtime == "none" else None
-    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *requeue_rule(p, report)]) + "\n"
+    rule = requeue_rule(p, host_python(p, python), report=command is not None and p.container.runtime == "none")
+    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *rule]) + "\n"

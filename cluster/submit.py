@@ -11,9 +11,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from cluster import suspects
 from cluster.command import Command, parse, requeue_after
 from cluster.profile import Profile
-from cluster.render import container_prefix, doctor_step, dq, flight_recorder, render_sbatch, requeue_rule, run_dir_lines
+from cluster.render import (
+    container_prefix,
+    doctor_step,
+    dq,
+    flight_recorder,
+    host_python,
+    render_sbatch,
+    requeue_rule,
+    run_dir_lines,
+)
 from cluster.task import CommandTask, TrainTask
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
@@ -52,12 +62,13 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
     setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2")  # submitit warns with USR2
-    report = shlex.quote(python_for(p)) if command and not inside else None
-    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)", *requeue_rule(p, report)]
+    host = host_python(p, python_for(p))
+    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)",
+                *requeue_rule(p, host, report=command and not inside)]
     py = "python3" if inside else shlex.quote(python_for(p))
     doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
     doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0])
-    setup += doctor_step(p, [doctor])
+    setup += doctor_step(p, [doctor], host)
     params: dict[str, Any] = {
         "name": p.job_name,
         "nodes": p.nodes,
@@ -102,6 +113,15 @@ def submitit_script(p: Profile, args: list[str], command: Command | None = None)
     with renderable():
         inner = (executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True))._executor
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
+
+
+def suspect_nodes() -> list[str]:
+    """The nodes earlier jobs blamed and not yet cleared or expired (cluster/suspects.py), which new jobs exclude."""
+    nodes = suspects.active(Path(suspects.default_path()))
+    if nodes:
+        print(f"excluding suspect node(s) {', '.join(nodes)} (blamed by earlier jobs; `python -m cluster suspects` "
+              "lists them, --clear NODE forgets one)")
+    return nodes
 
 
 def check_slurm() -> None:
@@ -165,7 +185,8 @@ def tail(path: Path, lines: int = 12) -> str:
 
 def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
     script = sbatch_script(p, args, command)
-    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else [])]
+    avoid = suspect_nodes()
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(script)
@@ -188,6 +209,9 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
 
 def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
     ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
+    avoid = suspect_nodes()
+    if avoid:
+        ex.update_parameters(slurm_exclude=",".join(avoid))
     task: TrainTask | CommandTask = (
         TrainTask(list(args)) if command is None
         else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))

@@ -24,7 +24,7 @@ from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from cluster.command import Command, requeue_after
 from cluster.profile import Profile, load_profile
-from cluster.submit import check_slurm, executor, load_train_config, renderable
+from cluster.submit import check_slurm, executor, load_train_config, renderable, suspect_nodes
 from cluster.sweep_spec import SweepSpec, Trial, _err, _kv, load_spec, plan
 from cluster.sweep_status import finish
 from cluster.task import CommandTask, TrainTask
@@ -192,6 +192,9 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
     if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
         sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
     ex = sweep_executor(p, spec, sweep_dir)
+    avoid = suspect_nodes()
+    if avoid:
+        ex.update_parameters(slurm_exclude=",".join(avoid))
     record = _record(spec_path, spec, p, trials, sweep_dir)
     try:  # written before submitting: a folder that cannot hold the record stops the sweep before anything runs
         (sweep_dir / "trials").mkdir()

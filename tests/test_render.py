@@ -84,23 +84,32 @@ def test_hand_run_templates_are_what_the_renderer_makes(launch: str) -> None:
     assert "set -euo pipefail" in text and "--kill-on-bad-exit=1" in text and "# SITE" in text
 
 
-def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: bool = False) -> dict[str, object]:
-    """Execute a rendered script with fake srun/scontrol that record how they were called."""
+def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: bool = False,
+                records: list[dict[str, object]] | None = None, before: list[str] | None = None) -> dict[str, object]:
+    """Execute a rendered script with fake srun/scontrol/sinfo that record how they were called; srun leaves the
+    exit ``records`` the ranks would (trainer/core/exits.py); ``before``: the classes of earlier attempts' verdicts."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     rec = tmp / "calls.jsonl"
     run_dir = tmp / "run"
-    for tool in ("srun", "scontrol"):
+    (tmp / "records.json").write_text(json.dumps([{"phase": "train", "t": i, **r} for i, r in enumerate(records or [])]))
+    leave = (f"d = os.path.join({str(run_dir)!r}, 'exits', {str(restarts)!r}); os.makedirs(d, exist_ok=True)\n"
+             f"for r in json.load(open({str(tmp / 'records.json')!r})): "
+             "open(os.path.join(d, f\"train-{r['rank']}.json\"), 'w').write(json.dumps(r))\n")
+    for tool in ("srun", "scontrol", "sinfo"):
         signal = ", os.environ.get('TRAINER_SIGNAL')" if tool == "srun" else ""  # srun's: what the tasks get
         leave_marker = f"open({str(run_dir / 'requeue.json')!r}, 'w').write('{{}}')\n" if marker and tool == "srun" else ""
+        out = "print('n1 idle\\nn2 idle\\nn3 idle')\n" if tool == "sinfo" else ""
         (bin_dir / tool).write_text(
             "#!/usr/bin/env python3\nimport json, os, sys\n"
             f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR'){signal}]) + '\\n')\n"
-            f"{leave_marker}sys.exit({rc if tool == 'srun' else 0})\n")
+            f"{out}{leave_marker}{leave if tool == 'srun' else ''}sys.exit({rc if tool == 'srun' else 0})\n")
         (bin_dir / tool).chmod(0o755)
     run_dir.mkdir(exist_ok=True)
     (run_dir / "requeue.json").write_text("{}")  # a stale marker from an earlier attempt must not count
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"t": i, "event": "attempt_end", "class": c}) + "\n"
+                                                  for i, c in enumerate(before or [])))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "TRAINER_SUSPECTS": str(tmp / "s.json"),
            "SLURM_RESTART_COUNT": str(restarts), "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "RUN_DIR": str(run_dir)}
     (tmp / "job.sh").write_text(script)
     proc = subprocess.run(["bash", str(tmp / "job.sh")], cwd=tmp, env=env, capture_output=True, text=True)
@@ -125,18 +134,36 @@ def test_hostile_overrides_arrive_verbatim_and_nothing_executes(tmp_path: Path, 
     assert not list(tmp_path.rglob("pwned")) and not list(Path.cwd().glob("pwned"))
 
 
-@pytest.mark.parametrize(("rc", "restarts", "marker", "requeued", "exit_code"), [
-    (0, 0, False, False, 0),
-    (1, 0, False, False, 1),    # a failure: the stale marker of an earlier attempt was cleared before srun
-    (75, 0, False, True, 0),
-    (1, 1, True, True, 0),     # torchrun's agent reports 1, the marker (left by this attempt) says "saved"
-    (75, 3, False, False, 75),  # max_requeues reached
-])
-def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, requeued: bool, exit_code: int) -> None:
-    res = _run_script(sbatch_script(load_profile("dev"), []), tmp_path, rc=rc, restarts=restarts, marker=marker)
-    requeues = [c for c in res["calls"] if c[0] == "scontrol"]  # type: ignore[union-attr,index]
-    assert (requeues == [["scontrol", ["requeue", "77"], str(tmp_path / "run")]]) == requeued, res
+KILLED = [{"rank": 0, "node": "n1", "code": 1, "class": "infrastructure", "cause": "lost a peer", "echo": True, "step": 7},
+          {"rank": 1, "node": "n2", "code": None}]
+USER_BUG = [{"rank": 1, "node": "n2", "code": 1, "class": "user_error", "cause": "ValueError: x", "where": "m.py:3"},
+            {"rank": 0, "node": "n1", "code": 1, "class": "infrastructure", "cause": "lost a peer", "echo": True}]
+REQUEUE = ["scontrol", ["requeue", "77"]]
+EXCLUDE_N2 = ["scontrol", ["update", "JobId=77", "ExcNodeList=n2"]]
+RULES = [  # rc, restarts, marker, records, earlier verdicts, the scontrol calls that change the job, exit code
+    (0, 0, False, None, [], [], 0),
+    (1, 0, False, None, [], [], 1),    # a failure: the stale marker of an earlier attempt was cleared before srun
+    (75, 0, False, None, [], [REQUEUE], 0),
+    (1, 1, True, None, [], [REQUEUE], 0),     # torchrun's agent reports 1, the marker (left by this attempt) says "saved"
+    (75, 3, False, None, ["preempted"] * 3, [], 75),  # max_requeues reached
+    (137, 0, False, KILLED, [], [REQUEUE, EXCLUDE_N2], 0),  # the cluster's: requeued without the node
+    (137, 0, True, KILLED, [], [REQUEUE], 0),  # saved by every rank before one was killed: a preemption
+    (1, 0, False, USER_BUG, [], [], 1),  # the user's: never retried
+    (137, 3, False, KILLED, ["infrastructure"] * 3, [], 137),  # max_failures reached
+]
+
+
+@pytest.mark.parametrize(("rc", "restarts", "marker", "records", "before", "changes", "exit_code"), RULES)
+def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, records: list[dict[str, object]] | None,
+                      before: list[str], changes: list[list[object]], exit_code: int) -> None:
+    res = _run_script(sbatch_script(load_profile("dev"), []), tmp_path, rc, restarts, marker, records, before)
+    assert _changes(res) == changes, res
     assert res["rc"] == exit_code, res
+
+
+def _changes(res: dict[str, object]) -> list[list[object]]:
+    """The scontrol calls that change the job (requeue, update), without the run folder."""
+    return [c[:2] for c in res["calls"] if c[0] == "scontrol" and c[1][0] in ("requeue", "update")]  # type: ignore[index,union-attr]
 
 
 def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +260,8 @@ def test_hand_run_command_template_passes_its_arguments_as_the_command(tmp_path:
     (bin_dir / "srun").write_text(f"#!/usr/bin/env python3\nimport json, sys\n{record}\n")
     (bin_dir / "srun").chmod(0o755)
     (tmp_path / "job.sh").write_text(script)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "RUN_DIR": str(tmp_path / "r")}
+    venv = Path(sys.executable).parent  # the template's user activated the venv
+    env = {**os.environ, "PATH": f"{bin_dir}:{venv}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "RUN_DIR": str(tmp_path / "r")}
     proc = subprocess.run(["bash", str(tmp_path / "job.sh"), *COMMAND], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(rec.read_text())
@@ -245,22 +273,16 @@ def test_requeue_on_signal_gives_the_command_a_deadline() -> None:
     assert "-m trainer.launch --signal USR2 --requeue-after 70 -- python train.py" in text
 
 
-@pytest.mark.parametrize(("rc", "restarts", "marker", "requeued", "exit_code"), [
-    (0, 0, False, False, 0),
-    (1, 0, False, False, 1),
-    (75, 0, False, True, 0),
-    (1, 0, True, True, 0),
-    (75, 3, False, False, 75),
-])
+@pytest.mark.parametrize(("rc", "restarts", "marker", "records", "before", "changes", "exit_code"), RULES)
 def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool,
-                                                      requeued: bool, exit_code: int) -> None:
+                                                      records: list[dict[str, object]] | None, before: list[str],
+                                                      changes: list[list[object]], exit_code: int) -> None:
     """The rule has one home: submitit's teardown runs the lines an sbatch script ends with."""
     for script in (submitit_script(load_profile("dev"), []), command_script("submitit", "srun")):
         case = tmp_path / str(len(list(tmp_path.iterdir())))
         case.mkdir()
-        res = _run_script(script, case, rc=rc, restarts=restarts, marker=marker)
-        requeues = [c for c in res["calls"] if c[0] == "scontrol"]  # type: ignore[union-attr,index]
-        assert (requeues == [["scontrol", ["requeue", "77"], str(case / "run")]]) == requeued, res
+        res = _run_script(script, case, rc, restarts, marker, records, before)
+        assert _changes(res) == changes, res
         assert res["rc"] == exit_code, res
 
 

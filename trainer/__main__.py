@@ -7,7 +7,7 @@ from typing import Any
 
 from trainer.core import config as config_mod
 from trainer.core.env import discover
-from trainer.core.errors import exit_code_of, exit_now
+from trainer.core.errors import exit_now, recorded
 
 
 def run(args: list[str]) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in args):
         print(config_mod.help_text())
         return 0
-    return exit_code_of(lambda: int(run(args)["exit_code"]))
+    return recorded(lambda: int(run(args)["exit_code"]))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from trainer.core import exits
 from trainer.core.env import DistEnv, discover, job_info, torchrun_environ
 from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of
 from trainer.core.files import write_atomic
@@ -88,6 +89,8 @@ def run(cmd: list[str], warning: str = "USR2", requeue_after: float | None = Non
         raise UserError("CMD", "no command given", "e.g. make submit CMD=\"python train.py --epochs 2\"")
     sig = signal.Signals[f"SIG{warning.removeprefix('SIG')}"]
     env = discover()
+    if not torchrun:  # with torchrun's agent its workers are the ranks
+        exits.started(env.rank)
     argv = command_argv(cmd, env, torchrun)
     watch = Watch(sig)
     ignore = sig in (signal.SIGUSR1, signal.SIGUSR2)  # their default action kills; TERM and INT keep theirs
@@ -121,7 +124,26 @@ def run(cmd: list[str], warning: str = "USR2", requeue_after: float | None = Non
         rc = EXIT_REQUEUE
     if rc == EXIT_REQUEUE:
         _mark_requeue(env, "stopped after the warning signal" if stopped else "the command exited 75")
+    if not torchrun:
+        _record(env.rank, rc)
     return rc if rc >= 0 else 128 - rc  # killed by signal N: the shell's 128+N
+
+
+def _record(rank: int, rc: int) -> None:
+    """The command's exit record, unless it wrote its own (a session script): its contract is 0 finished, 75 saved
+    for a requeue, killed by a signal the node's fault (the OOM-killer, a dying node), anything else its own error."""
+    path = exits.record_path("train", rank)
+    try:
+        if path is None or json.loads(path.read_text()).get("code") is not None:
+            return
+    except (OSError, ValueError):
+        pass
+    if rc < 0:
+        info = exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}")
+    else:
+        kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(rc, exits.USER_ERROR)
+        info = exits.outcome(kind, f"the command exited {rc}")
+    exits.ended(rc if rc >= 0 else 128 - rc, info, rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
+
+from trainer.core import exits
 
 EXIT_BAD_INPUT = 2
 """Exit code for bad configuration or environment: nothing was written."""
@@ -52,7 +55,28 @@ def exit_code_of(fn: Callable[[], int]) -> int:
         return EXIT_BAD_INPUT
 
 
+def recorded(fn: Callable[[], int], phase: str = "train") -> int:
+    """``fn()``'s exit code, and this rank's exit record (trainer/core/exits.py) saying how it ended. A rank that
+    stopped because a peer went away says so in one line, without a traceback: its end is an echo, not a cause."""
+    try:
+        code = exit_code_of(fn)
+    except Exception as exc:  # noqa: BLE001 - classified, recorded, then shown once
+        info = exits.classify(exc)
+        exits.ended(1, info, phase=phase)
+        if info["echo"]:
+            print(f"{exits.node_name()}: rank {os.environ.get('RANK', '0')} stopped: {info['cause']}; "
+                  f"{exits.first_failure() or 'the batch log names the first cause'}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        return 1
+    kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED, EXIT_BAD_INPUT: exits.USER_ERROR}.get(code)
+    exits.ended(code, exits.outcome(kind or exits.USER_ERROR, "bad input (its error: and HINT: are in the log)"
+                                    if code == EXIT_BAD_INPUT else f"exit {code}"), phase=phase)
+    return code
+
+
 def main(fn: Callable[[], int]) -> NoReturn:
     """Run ``fn()`` and exit with what it returns (``Session.finish()``: 0, or 75 to be requeued); a UserError
-    prints ``error: …`` and ``HINT: …`` and exits 2, without a traceback."""
-    exit_now(exit_code_of(fn))
+    prints ``error: …`` and ``HINT: …`` and exits 2, without a traceback; any other error is recorded for the
+    batch shell's verdict (retry or not) and exits 1."""
+    exit_now(recorded(fn))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.core import config as config_mod
+from trainer.core import exits
 from trainer.core.env import DistEnv, discover, host_facts, job_info, without_placement
 from trainer.core.errors import UserError, exit_code_of
 from trainer.doctor.checks import (
@@ -112,10 +113,33 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
     env, facts, info = discover(), host_facts(), job_info()
     host = facts.node
+    exits.started(env.rank, phase="doctor")
     checks = [check_versions(), check_gpus(cfg, env, facts, info), check_model_memory(cfg, env), check_master(env),
               check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
+    from trainer.testing import faults  # here: it loads torch, which `--help` and bad arguments never need
 
+    if faults.load().doctor_fail_node == host:
+        checks.append(Check("fault", FAIL, f"injected on {host} (TRAINER_FAULTS doctor_fail_node)", ""))
+    code = _checked(cfg, env, checks, host)
+    _record(env.rank, host, checks, code)
+    return code
+
+
+def _record(rank: int, host: str, checks: list[Check], code: int) -> None:
+    """This rank's exit record for the batch shell's verdict: a check that failed here blames this node."""
+    mine = [c for c in checks if c.status == FAIL and c.name not in ("process group", "all-reduce")]
+    if mine:
+        info = exits.outcome(exits.INFRASTRUCTURE, f"doctor: {mine[0].name}: {mine[0].detail}", blame=[host])
+    elif code:
+        info = exits.outcome(exits.INFRASTRUCTURE, "doctor: a check failed on another rank", echo=True)
+    else:
+        info = exits.outcome(exits.FINISHED, "doctor: all checks passed")
+    exits.ended(code, info, phase="doctor", rank=rank)
+
+
+def _checked(cfg: config_mod.Config, env: DistEnv, checks: list[Check], host: str) -> int:
+    """The collective part of :func:`run`: 0 when every check passed on every rank, else 1."""
     from trainer.core import dist as tdist
 
     started = _start_group(cfg, env, checks, host)

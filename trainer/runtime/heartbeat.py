@@ -16,7 +16,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.core import exits
 from trainer.core.env import DistEnv
 from trainer.core.files import write_atomic, write_json
 
@@ -103,11 +103,11 @@ class Heartbeat:
         with contextlib.suppress(OSError):
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(self.folder / f"rank_{rank}.txt", "w") as f:
-                f.write(f"rank {rank} on {socket.gethostname()} (pid {os.getpid()}): no progress for {silent:.0f} s; "
+                f.write(f"rank {rank} on {exits.node_name()} (pid {os.getpid()}): no progress for {silent:.0f} s; "
                         f"last beat: step {self.step}, {self.phase} (#{self.seq})\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            last = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seq": self.seq,
+            last = {"rank": rank, "host": exits.node_name(), "pid": os.getpid(), "seq": self.seq,
                     "step": self.step, "phase": self.phase, "silent_s": round(silent, 1),
                     "nccl_trace": dump_nccl_trace(self.folder / f"nccl_trace_rank_{rank}.pkl")}
             # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
@@ -127,22 +127,42 @@ class Heartbeat:
             if not report.exists():  # rank 0 could not report (dead, or stuck without releasing the GIL)
                 print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; "
                       f"stacks in {self.folder}", file=sys.stderr, flush=True)
+        stuck, whole = stuck_ranks(_beats(self.folder), world)
+        nodes = sorted({b.get("host", "?") for r, b in _beats(self.folder).items() if r in stuck}) if not whole else []
+        cause = f"hang: no progress for {silent:.0f} s; " + (
+            f"stuck rank(s) {', '.join(map(str, stuck))} on {', '.join(nodes)}" if nodes
+            else "every rank waits in the same collective (network or NCCL)")
+        exits.ended(EXIT_HANG, exits.outcome(exits.INFRASTRUCTURE, cause, blame=nodes), rank=rank, step=self.step)
         os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
+
+
+def _beats(folder: Path) -> dict[int, dict[str, Any]]:
+    """Each rank's last beat, as it wrote it when the watchdog fired."""
+    beats: dict[int, dict[str, Any]] = {}
+    for path in folder.glob("rank_*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(path.read_text())
+            beats[int(info["rank"])] = info
+    return beats
+
+
+def stuck_ranks(beats: dict[int, dict[str, Any]], world: int) -> tuple[list[int], bool]:
+    """The ranks that got least far, and whether that is every rank (a collective that never completes)."""
+    if not beats:
+        return [], False
+    low = min(b["seq"] for b in beats.values())
+    stuck = sorted(r for r, b in beats.items() if b["seq"] == low)
+    return stuck, len(stuck) == len(beats) == world
 
 
 def build_report(folder: Path, world: int, timeout_s: float) -> str:
     """The hang report from the ranks' files: who is stuck where, then each stuck rank's stacks."""
-    beats: dict[int, dict[str, Any]] = {}
-    for path in folder.glob("rank_*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(path.read_text())
-            beats[int(info["rank"])] = info
+    beats = _beats(folder)
     missing = [r for r in range(world) if r not in beats]
     lines = [f"HANG: no progress for more than {timeout_s:.0f} s (dist.heartbeat_timeout_s); stacks in {folder}"]
+    stuck, whole = stuck_ranks(beats, world)
     if beats:
-        low = min(b["seq"] for b in beats.values())
-        stuck = sorted(r for r, b in beats.items() if b["seq"] == low)
-        if len(stuck) == len(beats) and not missing:
+        if whole:
             lines.append(f"all {world} ranks stopped at the same point (step {beats[0]['step']}, {beats[0]['phase']}): "
                          "a collective that never completes (network, NCCL) rather than one slow rank")
         else:
@@ -153,8 +173,6 @@ def build_report(folder: Path, world: int, timeout_s: float) -> str:
             trace = f"; NCCL trace {b['nccl_trace']}" if b.get("nccl_trace") else ""
             lines.append(f"  rank {r:>3} {mark}  {b['host']} pid {b['pid']}: step {b['step']}, {b['phase']} (#{b['seq']})"
                          f"{trace}")
-    else:
-        stuck = []
     for r in missing:
         lines.append(f"  rank {r:>3} ?      wrote nothing: dead, or stuck without releasing the GIL")
     for r in stuck[:4]:  # the stacks that matter; the others are in the folder

@@ -45,6 +45,7 @@ from trainer.checkpoint.state import (
     restore_objects,
 )
 from trainer.core import dist as tdist
+from trainer.core import exits
 from trainer.core.config import Config, load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.errors import EXIT_REQUEUE
@@ -82,6 +83,7 @@ class Session:
         for note in deprecations:
             tdist.say(self.env, note)
         self._attributes()
+        exits.started(self.env.rank)  # a rank that never records its end was killed (the verdict reads these)
         tdist.setup(self.env, self.cfg, self.device)
         try:  # from here on a failure must not leave the process group behind
             self.preemption = Preemption(self.signals)
@@ -347,7 +349,11 @@ class Session:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if kind is not None:  # the loop raised: the report shows how the attempt ended
             code = exc.code if isinstance(exc, SystemExit) else 1
-            self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__)
+            info = exits.classify(exc) if isinstance(exc, Exception) else {}
+            self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__,
+                             **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
+            if info:  # recorded now: closing (W&B) may outlast srun's grace before its SIGKILL
+                exits.ended(1, info, rank=self.env.rank, step=self.step)
         self.close()
 
 

@@ -6,6 +6,7 @@ a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, fields
@@ -30,6 +31,11 @@ class Faults:
     """Rank ``hang_rank`` stops forever as this process's step N+1 starts (-1: never)."""
     hang_rank: int = 1
     """The rank that ``hang_at_step`` stops."""
+    only_restart: int = -1
+    """Inject the faults only in this attempt of a Slurm job (SLURM_RESTART_COUNT; -1: in every attempt), so a
+    retried attempt runs clean."""
+    doctor_fail_node: str = ""
+    """The preflight doctor fails on the node of this name (Slurm's), as a broken GPU or mount would."""
 
     def before_step(self, done: int, rank: int) -> None:
         """A rank stuck outside any collective (a dead file system, a deadlock); ``done``: steps finished so far."""
@@ -57,13 +63,16 @@ def load(spec: str | None = None) -> Faults:
     """Parse ``name=value`` words (from TRAINER_FAULTS when ``spec`` is None)."""
     spec = fault_spec() if spec is None else spec
     known = {f.name: f.type for f in fields(Faults)}
-    values: dict[str, float | int] = {}
+    values: dict[str, float | int | str] = {}
     for word in spec.split():
         name, _, raw = word.partition("=")
         if name not in known:
             raise UserError("TRAINER_FAULTS", f"unknown fault {name!r}", f"use one of: {', '.join(known)}")
         try:
-            values[name] = float(raw) if known[name] == "float" else int(raw)
+            values[name] = float(raw) if known[name] == "float" else raw if known[name] == "str" else int(raw)
         except ValueError:
             raise UserError("TRAINER_FAULTS", f"{name} needs a number, got {raw!r}", f"e.g. {name}=3") from None
-    return Faults(**values)  # type: ignore[arg-type]
+    faults = Faults(**values)  # type: ignore[arg-type]
+    if faults.only_restart >= 0 and faults.only_restart != int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        return Faults()
+    return faults

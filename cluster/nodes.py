@@ -1,0 +1,75 @@
+"""What the verdict asks Slurm about a job and its nodes: its log, whether enough nodes remain, requeue and exclude.
+
+Slurm takes ``ExcNodeList`` only on a pending job, so :func:`requeue` requeues first and updates after, while the
+batch shell is still inside KillWait. Stdlib only (the verdict runs with the host's python3).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "unk", "futr", "boot", "powered", "pow_dn", "npc")
+"""Node states (sinfo's short forms, their prefixes) a requeued job cannot start on."""
+
+
+def _run(*cmd: str) -> tuple[int, str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 1, str(exc)
+    return out.returncode, (out.stdout if out.returncode == 0 else out.stderr or out.stdout).strip()
+
+
+def job_fields(job: str) -> dict[str, str]:
+    """``scontrol show job -o JOB`` as a dict (values up to the next `` Key=``: paths may hold spaces)."""
+    rc, out = _run("scontrol", "show", "job", "-o", job)
+    if rc:
+        return {}
+    return {m.group(1): m.group(2) for m in re.finditer(r"([\w:/]+)=(.*?)(?= [\w:/]+=|$)", out)}
+
+
+def job_log(job: str) -> Path | None:
+    """The batch script's stderr file (where srun's own lines go)."""
+    path = job_fields(job).get("StdErr")
+    return Path(path) if path else None
+
+
+def excluded(job: str) -> list[str]:
+    """The job's ExcNodeList, as node names (Slurm's ``(null)`` when empty)."""
+    value = job_fields(job).get("ExcNodeList", "(null)")
+    if value in ("(null)", ""):
+        return []
+    rc, out = _run("scontrol", "show", "hostnames", value)
+    return out.split() if rc == 0 else value.split(",")
+
+
+def shortfall(job: str, blamed: list[str]) -> str | None:
+    """Why a requeue without ``blamed`` (and the nodes excluded already) could never start, or None when it can."""
+    info = job_fields(job)
+    need, partition = int(info.get("NumNodes", "1").split("-")[0] or 1), info.get("Partition", "")
+    rc, out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N %t")
+    if rc:
+        return None  # no view of the partition: let Slurm decide
+    avoid = set(blamed) | set(excluded(job))
+    usable = {n for n, state in (line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
+              if n not in avoid and not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")}
+    if len(usable) >= need:
+        return None
+    return (f"requeueing without {', '.join(sorted(avoid))} leaves {len(usable)} usable node(s) in partition "
+            f"{partition} for a job of {need}: failing instead of waiting forever (clear a node with "
+            "`python -m cluster suspects --clear NODE` once it is fixed, and resubmit)")
+
+
+def requeue(job: str, blamed: list[str]) -> str | None:
+    """Requeue the job, then exclude ``blamed`` from its next start; None on success, else what went wrong."""
+    rc, out = _run("scontrol", "requeue", job)
+    if rc:
+        return f"scontrol requeue {job} failed: {out}"
+    if blamed:
+        nodes = sorted(set(excluded(job)) | set(blamed))
+        rc, out = _run("scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}")
+        if rc:
+            return f"requeued, but excluding {','.join(blamed)} failed: {out}"
+    return None

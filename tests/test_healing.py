@@ -1,0 +1,172 @@
+"""Self-healing jobs on the real dev cluster (3 nodes): a killed rank, a hang and a node failing the doctor are the
+cluster's (blamed, excluded, retried from the last checkpoint); a bug in user code is the user's (never retried).
+
+Faults are real: a rank's process is SIGKILLed from outside, a rank stops forever, the doctor fails on one node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import ROOT, SMALL, faults
+from .test_slurm import cluster_cmd, job_id_of, job_state, sh, slurm_env, wait_for
+
+__all__ = ["slurm_env"]  # the fixture, shared with test_slurm
+
+SLOW = [*SMALL, "train.epochs=2", "checkpoint.every_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameter checksum of the same training, uninterrupted."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SLOW, f"run.dir={ref}"], slurm_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(json.loads((ref / "result.json").read_text())["param_checksums"][0])
+
+
+def submit(env: dict[str, str], launcher: str, args: list[str], sets: list[str] = ()) -> str:  # type: ignore[assignment]
+    proc = cluster_cmd(["--launcher", launcher, *(a for s in sets for a in ("--set", s)), "--", *args], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return job_id_of(proc.stdout)
+
+
+def events(run: Path, kind: str) -> list[dict[str, Any]]:
+    try:
+        lines = (run / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def kill_rank(job: str, rank: int, restart: int) -> str:
+    """SIGKILL the training process of ``rank`` in attempt ``restart`` of ``job``; return its Slurm node name."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+            argv = (proc / "cmdline").read_text().split("\0")
+        except (OSError, ValueError):
+            continue
+        if (env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(rank)
+                and int(env.get("SLURM_RESTART_COUNT") or 0) == restart and "python" in Path(argv[0]).name
+                and "-m" in argv and "cluster.verdict" not in argv):
+            os.kill(int(proc.name), signal.SIGKILL)
+            return env["SLURMD_NODENAME"]
+    raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
+
+
+def excluded(job: str, env: dict[str, str]) -> str:
+    out = sh(["scontrol", "show", "job", "-o", job], env).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("ExcNodeList=")), "")
+
+
+def finished(run: Path, job: str, env: dict[str, str]) -> dict[str, Any]:
+    wait_for(lambda: (run / "result.json").exists(), timeout=300, what="the job to end")
+    wait_for(lambda: job_state(job, env) in ("COMPLETED", "FAILED"), timeout=60, what="the job's end in sacct")
+    return dict(json.loads((run / "result.json").read_text()))
+
+
+def checkpointed(run: Path, attempt: int) -> bool:
+    """Whether attempt number ``attempt`` (0: the first) has committed a checkpoint."""
+    starts = [e["t"] for e in events(run, "attempt")]
+    return len(starts) > attempt and any(e["t"] > starts[attempt] for e in events(run, "checkpoint"))
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
+def test_a_killed_rank_is_blamed_excluded_and_the_job_ends_as_if_uninterrupted(
+        slurm_env: dict[str, str], tmp_path: Path, reference: str, launcher: str) -> None:
+    run, suspects = tmp_path / "run", tmp_path / "suspects.json"
+    env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(suspects)}
+    job = submit(env, launcher, [*SLOW, f"run.dir={run}"])
+    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
+    node = kill_rank(job, 1, 0)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["resumed_from"], result
+    assert result["param_checksums"] == [reference, reference]
+    first, last = events(run, "attempt_end")
+    assert (first["class"], first["blamed"], first["decision"]) == ("infrastructure", [node], "requeue"), first
+    assert "Killed" in first["cause"] and last["class"] == "finished"
+    assert node in excluded(job, env) and node in json.loads(suspects.read_text())
+    report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
+    assert "infrastructure" in report and node in report, report
+
+
+def test_a_bug_in_user_code_fails_once_naming_file_and_line(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*SMALL, f"run.dir={run}", "model.target=faulty_model:Faulty", "model.kwargs.fail_at=5",
+            f"run.python_path=[{ROOT / 'tests' / 'scripts'}]"]
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *args], slurm_env)
+    assert proc.returncode != 0
+    result = json.loads((run / "result.json").read_text())
+    assert result["class"] == "user_error" and "ValueError: tensor shape mismatch" in result["cause"], result
+    assert result["where"].startswith(str(ROOT / "tests" / "scripts" / "faulty_model.py:")), result
+    assert "rank 1" in result["cause"] and "not retried" in result["reason"]
+    job = job_id_of(proc.stdout)
+    attempts = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    assert attempts == ["FAILED"], attempts
+
+
+def test_max_failures_ends_the_job_instead_of_retrying_forever(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["max_failures=1"])
+    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
+    first = kill_rank(job, 1, 0)
+    wait_for(lambda: checkpointed(run, 1), timeout=240, what="a checkpoint of the retried attempt")
+    second = kill_rank(job, 0, 1)  # another node, another step
+    result = finished(run, job, env)
+    assert first != second and job_state(job, env) == "FAILED"
+    assert result["outcome"] == "failed" and "max_failures=1" in result["reason"], result
+    assert [e["decision"] for e in events(run, "attempt_end")] == ["requeue", "fail"]
+
+
+def test_a_hang_is_blamed_on_the_stuck_ranks_node(slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(hang_at_step=6, hang_rank=1, only_restart=0),
+           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}", "dist.heartbeat_timeout_s=8"])
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    first = events(run, "attempt_end")[0]
+    stuck = json.loads((run / "exits" / "0" / "train-1.json").read_text())["node"]
+    assert first["class"] == "infrastructure" and first["blamed"] == [stuck] and "hang" in first["cause"], first
+    assert stuck in excluded(job, env)
+
+
+def test_a_node_failing_the_doctor_is_excluded_and_the_job_runs_on_the_others(
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(doctor_fail_node="n2"), "DOCTOR": "1",
+           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SMALL, f"run.dir={run}"])
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished", result
+    first = events(run, "attempt_end")[0]
+    assert (first["phase"], first["class"], first["blamed"]) == ("doctor", "infrastructure", ["n2"]), first
+    assert "n2" in excluded(job, env)
+
+
+def test_new_jobs_exclude_suspect_nodes_until_cleared_or_expired(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    suspects = tmp_path / "suspects.json"
+    env = {**slurm_env, "TRAINER_SUSPECTS": str(suspects)}
+    now = time.time()
+    suspects.write_text(json.dumps({"n1": {"until": now + 3600, "job": "1", "cause": "test"},
+                                    "n3": {"until": now - 1, "job": "1", "cause": "expired"}}))
+    for launcher in ("sbatch", "submitit"):
+        job = submit(env, launcher, [*SMALL, f"run.dir={tmp_path / launcher}"])
+        assert excluded(job, env) == "n1", launcher
+        finished(tmp_path / launcher, job, env)
+    listed = sh([sys.executable, "-m", "cluster", "suspects"], env).stdout
+    assert "n1: excluded for" in listed and "n3: expired" in listed
+    assert "cleared: n1" in sh([sys.executable, "-m", "cluster", "suspects", "--clear", "n1"], env).stdout
+    job = submit(env, "sbatch", [*SMALL, f"run.dir={tmp_path / 'after'}"])
+    assert excluded(job, env) == "(null)"
+    finished(tmp_path / "after", job, env)

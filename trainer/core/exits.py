@@ -1,0 +1,140 @@
+"""Each rank's exit record: how this process ended, for the batch shell's verdict on the attempt (cluster/verdict.py).
+
+``$RUN_DIR/exits/<restart>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
+ends: Slurm's node name, rank, exit code, class, one-line cause, where (file:line of a user error), step, and the
+nodes it blames (a hang report names the stuck rank's). A rank killed by a signal keeps only its start record: that,
+with srun's own ``task N: Killed`` line, names it. Stdlib only and torch-free: the verdict runs with the host's python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+FINISHED, PREEMPTED, USER_ERROR, RESOURCE, INFRASTRUCTURE = (
+    "finished", "preempted", "user_error", "resource", "infrastructure")
+CLASSES = (FINISHED, PREEMPTED, USER_ERROR, RESOURCE, INFRASTRUCTURE)
+"""How an attempt (or one rank of it) ended; only ``infrastructure`` is retried."""
+
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout",
+             "connection refused", "communicator was aborted", "recvbytes", "sendbytes", "read error", "ncclremoteerror")
+"""Message fragments of a collective whose peer went away: an echo of another rank's end, never a first cause."""
+
+DEVICE = ("nccl error", "cuda error", "uncorrectable ecc", "xid", "cudaerrorlaunchfailure", "nvlink")
+"""Message fragments of a failing GPU or interconnect: the node's fault."""
+
+_written: dict[str, bool] = {}
+
+
+def node_name() -> str:
+    """Slurm's name for this node (SLURMD_NODENAME), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def record_path(phase: str = "train", rank: int | None = None) -> Path | None:
+    """Where this process's record goes (None outside a batch job: no RUN_DIR)."""
+    run_dir = os.environ.get("RUN_DIR")
+    if not run_dir:
+        return None
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) if rank is None else rank
+    return Path(run_dir) / "exits" / os.environ.get("SLURM_RESTART_COUNT", "0") / f"{phase}-{rank}.json"
+
+
+def write(path: Path | None, **fields: Any) -> None:
+    """Write (replace) one record atomically; a failure to write never hides how the process ended."""
+    if path is None:
+        return
+    record = {"node": node_name(), "pid": os.getpid(), "t": round(time.time(), 3), **fields}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"exit record {path}: {exc.strerror}", file=sys.stderr)
+
+
+def started(rank: int, phase: str = "train") -> None:
+    """The start record: a process that never writes its end was killed."""
+    path = record_path(phase, rank)
+    write(path, rank=rank, phase=phase, code=None)
+    _written[str(path)] = False
+
+
+def ended(code: int, info: dict[str, Any], phase: str = "train", rank: int | None = None, **more: Any) -> None:
+    """The end record, ``info`` holding ``class`` and ``cause`` (see :func:`outcome`); the first one wins: a process
+    classifies its own end once, where it knows most."""
+    path = record_path(phase, rank)
+    if path is None or _written.get(str(path)):
+        return
+    _written[str(path)] = True
+    write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=code, **info, **more)
+
+
+def outcome(kind: str, cause: str, **more: Any) -> dict[str, Any]:
+    """A class and a one-line cause (plus ``where``, ``blame``, ``echo`` …), as records hold them."""
+    return {"class": kind, "cause": cause, **more}
+
+
+def classify(exc: BaseException) -> dict[str, Any]:
+    """An exception's class, one-line cause, and where (the innermost frame outside torch) for a user error.
+    ``echo``: a collective lost its peer (this rank stopped because another ended first)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = _first_sentence(text)
+    low = text.lower()
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
+        return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
+    if any(p in low for p in PEER_LOST) or type(exc).__name__ in ("DistNetworkError", "DistStoreError"):
+        return {"class": INFRASTRUCTURE, "cause": f"lost a peer mid-collective ({first})", "echo": True}
+    if any(p in low for p in DEVICE) or type(exc).__name__ == "DistBackendError":
+        return {"class": INFRASTRUCTURE, "cause": f"device or interconnect error: {first}", "echo": False}
+    return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
+
+
+def _first_sentence(text: str) -> str:
+    """An error's first line without the C++ source position torch puts first, cut after its first sentence."""
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text.splitlines()[0] if text else "")
+    return line.split(". ", 1)[0][:300]
+
+
+def where(exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame that is not torch's or the standard library's: the code that raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    skip = (os.sep + "torch" + os.sep, os.path.dirname(os.__file__) + os.sep)
+    ours = [f for f in frames if not any(s in f.filename for s in skip)]
+    chosen = ours or list(frames)
+    return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else None
+
+
+def records(folder: Path) -> list[dict[str, Any]]:
+    """Every readable record in an attempt's folder."""
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line: who ended how (``rank 3 on n2: ValueError: … (model.py:30)``)."""
+    where = f" ({record['where']})" if record.get("where") else ""
+    return f"rank {record.get('rank')} on {record.get('node')}: {record.get('cause')}{where}"
+
+
+def first_failure() -> str | None:
+    """For a rank that lost its peer: the failure another rank of this attempt recorded first, if any yet."""
+    path = record_path()
+    if path is None:
+        return None
+    failed = [r for r in records(path.parent)
+              if r.get("code") not in (None, 0, 75) and not r.get("echo") and r.get("pid") != os.getpid()]
+    return f"stopped because {describe(min(failed, key=lambda r: r['t']))}" if failed else None
