@@ -25,9 +25,12 @@ def _run(*cmd: str) -> tuple[int, str]:
 def job_fields(job: str) -> dict[str, str]:
     """``scontrol show job -o JOB`` as a dict (values up to the next `` Key=``: paths may hold spaces)."""
     rc, out = _run("scontrol", "show", "job", "-o", job)
-    if rc:
-        return {}
-    return {m.group(1): m.group(2) for m in re.finditer(r"([\w:/]+)=(.*?)(?= [\w:/]+=|$)", out)}
+    return {} if rc else parse_fields(out)
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """``Key=value Key2=value with spaces`` as a dict (a value runs up to the next `` Key=``)."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"([\w:/]+)=(.*?)(?= [\w:/]+=|$)", line)}
 
 
 def job_log(job: str) -> Path | None:

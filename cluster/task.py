@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-from trainer.core.errors import EXIT_REQUEUE, UserError
+from trainer.core.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, UserError, record_end, record_failure
 
 
 def _leave_requeue_to_the_batch_script() -> None:
@@ -40,7 +40,13 @@ class TrainTask:
         try:
             result = run(args)
         except UserError as err:  # shown by job.result() on the submitting side, without a deep traceback
+            record_end(EXIT_BAD_INPUT)
             raise RuntimeError(err.render()) from None
+        except Exception as exc:  # the exit record for the batch shell's verdict, as `python -m trainer` leaves it
+            if record_failure(exc)["echo"]:
+                raise RuntimeError("stopped: lost a peer (see the batch log for the first cause)") from None
+            raise
+        record_end(int(result["exit_code"]))
         if result["exit_code"] == EXIT_REQUEUE:
             _requeue_exit()
         return result

@@ -64,21 +64,23 @@ def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: i
     step = max(steps) if steps else None
     ended = [r for r in records if r.get("code") is not None]
     causes = [r for r in ended if r["code"] not in (0, EXIT_REQUEUE) and not r.get("echo")]
+    silent = [r for r in records if r.get("code") is None]
     if causes:
         first = min(causes, key=lambda r: r["t"])
         blame = sorted({n for c in causes if c.get("class") == exits.INFRASTRUCTURE for n in c.get("blame") or []})
         if first.get("class") == exits.INFRASTRUCTURE and not blame:
             blame = [first["node"]]
         return Verdict(first.get("class", exits.USER_ERROR), exits.describe(first), first.get("where"), blame, step)
-    if rc == 0 and all(r.get("code") == 0 for r in records):
+    if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
     if marker or (rc == EXIT_REQUEUE and all(r.get("code") == EXIT_REQUEUE for r in ended)):
         return Verdict(exits.PREEMPTED, "saved after the warning signal", step=step)
     killed = [s for s in srun if "exit code" not in s[2]]
-    silent = [r for r in records if r.get("code") is None]
     if killed:
         node, tasks, how = killed[0]
-        return Verdict(exits.INFRASTRUCTURE, f"task {tasks} on {node}: {how} (srun)", blame=[node], step=step)
+        ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node) or "?"
+        return Verdict(exits.INFRASTRUCTURE, f"rank {ranks} on {node} was killed (srun: task {tasks}: {how})",
+                       blame=[node], step=step)
     if silent:
         first = silent[0]
         return Verdict(exits.INFRASTRUCTURE, f"rank {first['rank']} on {first['node']} ended without a record "

@@ -19,7 +19,8 @@ from trainer.core.errors import EXIT_BAD_INPUT
 from trainer.core.events import EVENTS
 from trainer.runtime.attempts import Attempt, attempts, figures
 
-COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("exit", "{}"), ("gap_before_s", "{:.1f}"), ("resumed_step", "{}"),
+COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("exit", "{}"), ("ended", "{}"), ("blamed", "{}"),
+           ("gap_before_s", "{:.1f}"), ("resumed_step", "{}"),
            ("last_step", "{}"),
            ("allocated_s", "{:.1f}"), ("startup_s", "{:.1f}"), ("training_s", "{:.1f}"), ("stall_s", "{:.2f}"),
            ("lost_steps", "{}"), ("productive_s", "{:.1f}"))
@@ -33,7 +34,10 @@ def table(f: dict[str, Any]) -> str:
     lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]]
     lines.append(f"goodput {100 * f['goodput']:.1f} % ({f['productive_node_s']:.1f} productive of "
                  f"{f['allocated_node_s']:.1f} allocated node-seconds); {f['lost_steps']} steps recomputed after "
-                 f"requeues; checkpoint stall {f['stall_s']:.2f} s")
+                 f"requeues; checkpoint stall {f['stall_s']:.2f} s; recovery {f['recovery_s']['preempted']:.1f} s "
+                 f"from preemptions, {f['recovery_s']['failure']:.1f} s from failures")
+    lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
+              if r["cause"] and r["ended"] != "finished"]
     return "\n".join(lines)
 
 
@@ -128,7 +132,9 @@ def _render(run_dir: Path) -> tuple[Path, dict[str, Any]]:
             f"recomputed after requeues; checkpoint stall {f['stall_s']:.2f} s in all.</p>"
             f"<p>torch {html.escape(str(info.get('torch')))}, CUDA {html.escape(str(info.get('cuda')))}, NCCL "
             f"{html.escape(str(info.get('nccl')))}, commit {html.escape(str(info.get('git')))}</p>"
-            "<table><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + f"</tr>{rows}</table>{imgs}")
+            "<table><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + f"</tr>{rows}</table>"
+            + "".join(f"<p>attempt {r['attempt']}: {html.escape(str(r['ended']))}: {html.escape(str(r['cause']))}</p>"
+                      for r in f["attempts"] if r["cause"] and r["ended"] != "finished") + imgs)
     out = run_dir / "report.html"
     out.write_text(page)
     return out, f

@@ -61,18 +61,29 @@ def recorded(fn: Callable[[], int], phase: str = "train") -> int:
     try:
         code = exit_code_of(fn)
     except Exception as exc:  # noqa: BLE001 - classified, recorded, then shown once
-        info = exits.classify(exc)
-        exits.ended(1, info, phase=phase)
-        if info["echo"]:
-            print(f"{exits.node_name()}: rank {os.environ.get('RANK', '0')} stopped: {info['cause']}; "
-                  f"{exits.first_failure() or 'the batch log names the first cause'}", file=sys.stderr, flush=True)
-        else:
+        if not record_failure(exc, phase)["echo"]:
             traceback.print_exc()
         return 1
-    kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED, EXIT_BAD_INPUT: exits.USER_ERROR}.get(code)
-    exits.ended(code, exits.outcome(kind or exits.USER_ERROR, "bad input (its error: and HINT: are in the log)"
-                                    if code == EXIT_BAD_INPUT else f"exit {code}"), phase=phase)
+    record_end(code, phase)
     return code
+
+
+def record_end(code: int, phase: str = "train") -> None:
+    """Record a process that returned ``code``: 0 finished, 75 saved for a requeue, 2 bad input, else its error."""
+    kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(code, exits.USER_ERROR)
+    exits.ended(code, exits.outcome(kind, "bad input (its error: and HINT: are in the log)" if code == EXIT_BAD_INPUT
+                                    else f"exit {code}"), phase=phase)
+
+
+def record_failure(exc: BaseException, phase: str = "train") -> dict[str, object]:
+    """Record a process ended by ``exc`` and return its class; a lost peer (an echo) is announced in one line."""
+    info = exits.classify(exc)
+    exits.ended(1, info, phase=phase)
+    if info["echo"]:
+        print(f"{exits.node_name()}: rank {os.environ.get('RANK') or os.environ.get('SLURM_PROCID', '0')} stopped: "
+              f"{info['cause']}; {exits.first_failure() or 'the batch log names the first cause'}",
+              file=sys.stderr, flush=True)
+    return info
 
 
 def main(fn: Callable[[], int]) -> NoReturn:

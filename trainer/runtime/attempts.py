@@ -39,6 +39,12 @@ class Attempt:
         return exits[0]["code"] if exits else "killed"
 
     @property
+    def verdict(self) -> dict[str, Any]:
+        """The batch shell's verdict on this attempt (class, cause, blamed nodes, decision), when it gave one."""
+        ends = self.times("attempt_end")
+        return ends[-1] if ends else {}
+
+    @property
     def first_step_t(self) -> float | None:
         first = self.times("first_step")
         return first[0]["t"] if first else None
@@ -93,10 +99,24 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "nodes": nodes, "processes": a.info.get("processes"), "resumed_step": a.info.get("resumed_step"),
                      "last_step": a.last_step, "exit": a.exit_code, "allocated_s": allocated, "startup_s": startup,
                      "training_s": training, "stall_s": a.stall_s, "lost_steps": lost, "lost_s": lost * step_s,
-                     "productive_s": useful, "gap_before_s": a.start - runs[i - 1].end if i else 0.0})
+                     "productive_s": useful, "gap_before_s": a.start - runs[i - 1].end if i else 0.0,
+                     "ended": a.verdict.get("class"), "cause": a.verdict.get("cause"),
+                     "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
+            "recovery_s": recovery(rows),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
+
+
+def recovery(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds spent recovering, by what ended the attempt: its recomputed steps, then the wait and start-up of the
+    next attempt (``preempted`` vs ``failure``, the cluster's faults; other endings stop the job)."""
+    out = {"preempted": 0.0, "failure": 0.0}
+    for row, after in zip(rows, rows[1:], strict=False):
+        kind = {"preempted": "preempted", "infrastructure": "failure"}.get(row["ended"] or "")
+        if kind:
+            out[kind] += row["lost_s"] + after["gap_before_s"] + after["startup_s"]
+    return out
 
 
 def summary(f: dict[str, Any]) -> dict[str, float]:

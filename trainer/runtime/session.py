@@ -325,7 +325,7 @@ class Session:
         return 0
 
     # ---- teardown ----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
         try:
             if self._heartbeat is not None:
@@ -335,7 +335,7 @@ class Session:
                     self._saves.checkpointer.wait()
             finally:
                 if self._tracker is not None:
-                    self._tracker.finish()
+                    self._tracker.finish(exit_code=exit_code)
         finally:
             for loader in self.loaders:
                 shutdown_workers(loader)
@@ -354,7 +354,7 @@ class Session:
                              **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
             if info:  # recorded now: closing (W&B) may outlast srun's grace before its SIGKILL
                 exits.ended(1, info, rank=self.env.rank, step=self.step)
-        self.close()
+        self.close(exit_code=0 if kind is None else 1)
 
 
 def _opened(part: _T | None) -> _T:

@@ -113,14 +113,14 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
-    def finish(self, summary: dict[str, Any] | None = None) -> None:
-        """Write the final summary and close the run."""
+    def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
+        """Write the final summary and close the run (``exit_code``: the process's, so W&B marks a failed run)."""
         if self.run is None:
             return
         try:
             if summary:
                 self.run.summary.update(summary)
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self._save_state()
         except Exception as exc:
             self._fail(exc)

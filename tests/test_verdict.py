@@ -1,0 +1,131 @@
+"""The verdict on an attempt (cluster/verdict.py), its inputs (trainer/core/exits.py) and the suspects list, as
+tables. The same rules run for real on the dev cluster in test_healing.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import suspects
+from cluster.nodes import parse_fields
+from cluster.verdict import Limits, Verdict, decide, judge, repeated, srun_failures
+from trainer.core import exits
+
+from .conftest import clean_env
+
+
+def rec(rank: int, node: str, code: int | None, kind: str = "", t: float = 0.0, **more: Any) -> dict[str, Any]:
+    return {"rank": rank, "node": node, "code": code, "class": kind, "cause": more.pop("cause", kind), "t": t, **more}
+
+
+ECHO = {"echo": True, "cause": "lost a peer mid-collective"}
+JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of the cause
+    ([rec(0, "n1", 0, "finished"), rec(1, "n2", 0, "finished")], [], 0, False, "finished", [], "every rank"),
+    ([rec(0, "n1", 75, "preempted"), rec(1, "n2", 75, "preempted")], [], 75, False, "preempted", [], "saved"),
+    ([rec(0, "n1", 0, "finished"), rec(1, "n2", None)], [], 0, False, "finished", [], "every rank"),  # srun: all 0
+    ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", None)], [("n2", "1", "Killed")], 137, False,
+     "infrastructure", ["n2"], "rank 1 on n2 was killed"),
+    ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", None)], [], 137, False,
+     "infrastructure", ["n2"], "ended without a record"),
+    # the user's error recorded late (after the echo of its peer): still the first cause, never blamed on a node
+    ([rec(0, "n1", 1, "infrastructure", t=1, **ECHO), rec(1, "n2", 1, "user_error", t=2, cause="ValueError: x",
+                                                           where="m.py:3")],
+     [("n1", "0", "Exited with exit code 1")], 137, False, "user_error", [], "ValueError: x"),
+    ([rec(0, "n1", 3, "infrastructure", cause="hang: stuck rank(s) 1 on n2", blame=["n2"]), rec(1, "n2", None)],
+     [], 137, False, "infrastructure", ["n2"], "hang"),
+    ([rec(0, "n1", 1, "resource", cause="out of memory"), rec(1, "n2", 1, "infrastructure", **ECHO)], [], 1, False,
+     "resource", [], "out of memory"),
+    ([rec(0, "n1", 1, "infrastructure", cause="device or interconnect error: NCCL error")], [], 1, False,
+     "infrastructure", ["n1"], "NCCL"),
+    ([], [], 1, False, "user_error", [], "without a record"),  # e.g. the image lacks a module the tasks import
+    ([], [("n3", "0", "Killed")], 137, False, "infrastructure", ["n3"], "killed"),
+    ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", 75, "preempted")], [], 1, True, "preempted", [], "saved"),
+]
+
+
+@pytest.mark.parametrize(("records", "srun", "rc", "marker", "kind", "blame", "words"), JUDGED)
+def test_judge_names_the_first_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: int,
+                                     marker: bool, kind: str, blame: list[str], words: str) -> None:
+    v = judge(records, srun, rc, marker)
+    assert (v.kind, v.blame) == (kind, blame) and words in v.cause, v
+
+
+def test_srun_lines_of_this_attempt_before_srun_ends_the_rest(tmp_path: Path) -> None:
+    log = tmp_path / "job.out"
+    log.write_text("attempt 0 of job 9 starts on n[1-2]\nsrun: error: n1: task 0: Killed\n"
+                   "attempt 1 of job 9 starts on n[1,3]\ntraining...\nsrun: error: n3: task 1: Exited with exit code 1\n"
+                   "srun: launch/slurm: _step_signal: Terminating StepId=9.0\nsrun: error: n1: task 0: Killed\n")
+    assert srun_failures(log, 1, "9") == [("n3", "1", "Exited with exit code 1")]
+    assert srun_failures(log, 0, "9")[0] == ("n1", "0", "Killed")
+    assert srun_failures(tmp_path / "missing", 0, "9") == []
+
+
+LIMITS = Limits(max_requeues=2, max_failures=1, suspects=Path("/nonexistent"), suspect_hours=1)
+
+
+@pytest.mark.parametrize(("kind", "before", "action", "words"), [
+    ("finished", [], "done", "finished"),
+    ("preempted", ["preempted"], "requeue", "requeue 2 of max_requeues=2"),
+    ("preempted", ["preempted", "preempted"], "fail", "2 requeues done"),
+    ("infrastructure", ["preempted", "preempted"], "requeue", "failure 1 of max_failures=1"),  # budgets are separate
+    ("infrastructure", ["infrastructure"], "fail", "max_failures=1"),
+    ("user_error", [], "fail", "not retried"),
+    ("resource", [], "fail", "not retried"),
+])
+def test_decide_keeps_separate_budgets(kind: str, before: list[str], action: str, words: str) -> None:
+    got, why = decide(Verdict(kind, "x"), [{"class": c} for c in before], LIMITS)
+    assert got == action and words in why, why
+
+
+def test_a_failure_at_the_same_step_on_other_nodes_is_the_codes() -> None:
+    earlier = [{"class": "infrastructure", "step": 40, "blamed": ["n2"]}]
+    assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=40), earlier) == earlier[0]
+    assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=41), earlier) is None
+    assert repeated(Verdict("infrastructure", "x", blame=["n2"], step=40), earlier) is None  # the same node again
+
+
+def test_scontrol_fields_keep_paths_with_spaces() -> None:
+    fields = parse_fields("JobId=5 JobName=train Partition=dev AllocNode:Sid=localhost:1 ExcNodeList=n2 NumNodes=2-2 "
+                          "StdErr=/runs/my logs/train-5.out StdIn=/dev/null")
+    assert fields["StdErr"] == "/runs/my logs/train-5.out" and fields["ExcNodeList"] == "n2"
+    assert fields["Partition"] == "dev" and fields["NumNodes"] == "2-2"
+
+
+def test_suspects_expire_and_clear(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    suspects.add(path, ["n2"], 1, "7", "killed")
+    suspects.add(path, ["n3"], -1, "8", "old")
+    assert suspects.active(path) == ["n2"]
+    assert suspects.active(path, now=time.time() + 7200) == []
+    assert suspects.clear(path, "n2") == ["n2"] and suspects.active(path) == []
+    assert suspects.clear(path, "all") == ["n3"] and suspects.load(path) == {}
+    path.write_text("not json")
+    assert suspects.active(path) == []  # a broken list never stops a job
+
+
+@pytest.mark.parametrize(("exc", "kind", "echo"), [
+    (RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:3. This is typically caused"), "infrastructure",
+     True),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error"), "infrastructure", False),
+    (MemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "resource", False),
+    (ValueError("shape mismatch"), "user_error", False),
+])
+def test_classify(exc: Exception, kind: str, echo: bool) -> None:
+    info = exits.classify(exc)
+    assert (info["class"], info["echo"]) == (kind, echo) and "This is typically" not in info["cause"]
+
+
+def test_a_user_error_is_recorded_with_its_file_and_line(tmp_path: Path) -> None:
+    script = tmp_path / "user.py"
+    script.write_text("import trainer\n\ndef main():\n    raise KeyError('vocab')\n\ntrainer.main(main)\n")
+    env = clean_env({"RUN_DIR": str(tmp_path / "run"), "SLURMD_NODENAME": "n7", "SLURM_RESTART_COUNT": "2"})
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "KeyError: 'vocab'" in proc.stderr  # the user's traceback stays
+    record = json.loads((tmp_path / "run" / "exits" / "2" / "train-0.json").read_text())
+    assert record["class"] == "user_error" and record["node"] == "n7" and record["where"] == f"{script}:4", record
