@@ -15,6 +15,7 @@ import pytest
 from cluster.profile import load_profile
 from cluster.submit import sbatch_script, submitit_script
 from trainer.core.env import TRAINER_VARIABLES
+from trainer.core.exits import EXIT_VARIABLES
 
 from .conftest import ROOT
 from .test_render import GOLDEN, _shellcheck, normalized
@@ -44,8 +45,8 @@ def test_requeue_stays_outside_the_container(runtime: str) -> None:
     for launcher in ("sbatch", "submitit"):
         p = profile(runtime)
         text = sbatch_script(p, []) if launcher == "sbatch" else submitit_script(p, [])  # type: ignore[arg-type]
-        requeue = [line for line in text.splitlines() if "scontrol requeue" in line]
-        assert requeue and all(not line.lstrip().startswith("srun") for line in requeue)
+        verdict = [line for line in text.splitlines() if "-m cluster.verdict" in line]  # it requeues (cluster/nodes.py)
+        assert verdict and all("srun" not in line and "python3 -m cluster.verdict" in line for line in verdict)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -74,7 +75,7 @@ def test_trainer_variables_list_is_complete() -> None:
 def test_docker_wrapper_passes_every_trainer_variable() -> None:
     text = (ROOT / "containers" / "docker-task.sh").read_text()
     listed = set(re.search(r"vars=\(([^)]*)\)", text, re.S).group(1).split())  # type: ignore[union-attr]
-    assert set(TRAINER_VARIABLES) <= listed
+    assert set(TRAINER_VARIABLES) <= listed and set(EXIT_VARIABLES) <= listed
     assert "RUN_DIR" in listed
 
 

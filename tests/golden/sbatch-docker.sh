@@ -26,27 +26,25 @@ job_event() {
     >> "$RUN_DIR/events.jsonl" || true
 }
 job_event job_start
+echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
-  srun --kill-on-bad-exit=1 <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -v /data:/data -- img:1 python3 -m trainer.doctor optim.lr=0.1 "$@" \
-    || { echo "preflight doctor failed (its table, or the launch error, is above): not training" >&2; exit 1; }
+  rc=0
+  srun --kill-on-bad-exit=1 <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -v /data:/data -- img:1 python3 -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
+  if (( rc )); then
+    echo "preflight doctor failed (its table, or the launch error, is above)" >&2
+    trap '' TERM; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
+    exit 0
+  fi
 fi
 rc=0
 srun --kill-on-bad-exit=1 <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -v /data:/data -- img:1 python3 -m trainer optim.lr=0.1 "$@" || rc=$?
 
-# Exit 75, or this attempt's requeue marker (rank 0 leaves it where torchrun's agent or srun report
-# another code): saved after a signal, or stopped for a requeue (profile requeue_on_signal).
 job_event job_end ", \"code\": $rc"
-if [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]]; then
-  if (( ${SLURM_RESTART_COUNT:-0} < 3 )); then
-    echo "checkpoint saved: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"
-    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused (job already ending?)" >&2
-    exit 0
-  fi
-  echo "not requeueing: 3 requeues done" >&2
-fi
-exit "$rc"
+# Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
+trap '' TERM; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
+exit 0

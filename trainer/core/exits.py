@@ -1,6 +1,6 @@
 """Each rank's exit record: how this process ended, for the batch shell's verdict on the attempt (cluster/verdict.py).
 
-``$RUN_DIR/exits/<restart>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
+``$RUN_DIR/exits/<attempt>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
 ends: Slurm's node name, rank, exit code, class, one-line cause, where (file:line of a user error), step, and the
 nodes it blames (a hang report names the stuck rank's). A rank killed by a signal keeps only its start record: that,
 with srun's own ``task N: Killed`` line, names it. Stdlib only and torch-free: the verdict runs with the host's python.
@@ -30,6 +30,9 @@ PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pi
 DEVICE = ("nccl error", "cuda error", "uncorrectable ecc", "xid", "cudaerrorlaunchfailure", "nvlink")
 """Message fragments of a failing GPU or interconnect: the node's fault."""
 
+EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "RANK", "SLURM_PROCID", "RUN_DIR")
+"""What this module reads: container launchers pass them in (the container's own host name is no node's name)."""
+
 _written: dict[str, bool] = {}
 
 
@@ -38,13 +41,19 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def attempt_id() -> str:
+    """This attempt of the job: Slurm's restart count, with ``.k`` for the k-th restart inside one allocation
+    (TRAINER_ATTEMPT, set by a batch script with spare nodes)."""
+    return os.environ.get("TRAINER_ATTEMPT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+
+
 def record_path(phase: str = "train", rank: int | None = None) -> Path | None:
     """Where this process's record goes (None outside a batch job: no RUN_DIR)."""
     run_dir = os.environ.get("RUN_DIR")
     if not run_dir:
         return None
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) if rank is None else rank
-    return Path(run_dir) / "exits" / os.environ.get("SLURM_RESTART_COUNT", "0") / f"{phase}-{rank}.json"
+    return Path(run_dir) / "exits" / attempt_id() / f"{phase}-{rank}.json"
 
 
 def write(path: Path | None, **fields: Any) -> None:

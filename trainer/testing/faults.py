@@ -6,7 +6,6 @@ a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass, fields
@@ -14,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from trainer.core.env import fault_spec
+from trainer.core.exits import attempt_id
 from trainer.core.errors import UserError
 
 
@@ -32,8 +32,8 @@ class Faults:
     hang_rank: int = 1
     """The rank that ``hang_at_step`` stops."""
     only_restart: int = -1
-    """Inject the faults only in this attempt of a Slurm job (SLURM_RESTART_COUNT; -1: in every attempt), so a
-    retried attempt runs clean."""
+    """Inject the faults only in this attempt of a Slurm job (its restart count; -1: in every attempt), so a retried
+    attempt runs clean (a restart inside the allocation, attempt "0.1", too)."""
     doctor_fail_node: str = ""
     """The preflight doctor fails on the node of this name (Slurm's), as a broken GPU or mount would."""
 
@@ -73,6 +73,6 @@ def load(spec: str | None = None) -> Faults:
         except ValueError:
             raise UserError("TRAINER_FAULTS", f"{name} needs a number, got {raw!r}", f"e.g. {name}=3") from None
     faults = Faults(**values)  # type: ignore[arg-type]
-    if faults.only_restart >= 0 and faults.only_restart != int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+    if faults.only_restart >= 0 and str(faults.only_restart) != attempt_id():
         return Faults()
     return faults
