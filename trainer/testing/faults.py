@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from trainer.core.env import fault_spec
-from trainer.core.exits import attempt_id
 from trainer.core.errors import UserError
+from trainer.core.exits import attempt_id
 
 
 @dataclass(frozen=True)
