@@ -39,13 +39,16 @@ def job_log(job: str) -> Path | None:
     return Path(path) if path else None
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm node list (``n[1-3]``) as node names."""
+    rc, out = _run("scontrol", "show", "hostnames", nodelist)
+    return out.split() if rc == 0 else nodelist.split(",")
+
+
 def excluded(job: str) -> list[str]:
     """The job's ExcNodeList, as node names (Slurm's ``(null)`` when empty)."""
     value = job_fields(job).get("ExcNodeList", "(null)")
-    if value in ("(null)", ""):
-        return []
-    rc, out = _run("scontrol", "show", "hostnames", value)
-    return out.split() if rc == 0 else value.split(",")
+    return [] if value in ("(null)", "") else hostnames(value)
 
 
 def shortfall(job: str, blamed: list[str]) -> str | None:

@@ -66,6 +66,9 @@ class Profile:
     max_failures: int = 3
     """Retries after an infrastructure failure (a rank killed, a lost peer, a hang, a node failing the doctor), each
     without the blamed node; a user error or an out-of-memory is never retried."""
+    spare_nodes: int = 0
+    """Nodes held beyond `nodes` (sbatch launcher): after an infrastructure failure the next attempt starts at once
+    in the allocation without the blamed node, instead of going back to the queue."""
     suspect_hours: float = 24.0
     """How long a blamed node stays on the suspects list that new jobs exclude (`python -m cluster suspects`)."""
     requeue_on_signal: bool = False
@@ -128,7 +131,7 @@ def validate(p: Profile) -> None:
         if getattr(p, key) < 1:
             raise _err(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
     for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues", "max_failures",
-                "suspect_hours"):
+                "suspect_hours", "spare_nodes"):
         if getattr(p, key) < 0:
             raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):

@@ -20,7 +20,7 @@ def sbatch_directives(p: Profile) -> list[str]:
     """The ``#SBATCH`` header; site-specific lines carry a ``# SITE`` marker line above them."""
     lines = [
         f"#SBATCH --job-name={p.job_name}",
-        f"#SBATCH --nodes={p.nodes}",
+        f"#SBATCH --nodes={p.nodes + p.spare_nodes}",
         f"#SBATCH --ntasks-per-node={1 if p.launch == 'torchrun' else p.ntasks_per_node}",
         f"#SBATCH --cpus-per-task={p.cpus_per_task * p.procs_per_task}",
         f"#SBATCH --time={p.time_min}",
@@ -96,9 +96,13 @@ def flight_recorder(p: Profile, folder: str) -> list[str]:
 
 
 def _srun(p: Profile, python: str) -> tuple[str, str]:
-    """``srun …`` (with the container prefix) and the interpreter each task starts."""
+    """``srun …`` (with the container prefix) and the interpreter each task starts; with spare nodes, on this
+    attempt's nodes (``$step_nodes``, see :func:`spare_loop`)."""
     inside = container_prefix(p)
-    return "srun --kill-on-bad-exit=1" + (f" {inside}" if inside else ""), "python3" if inside else shlex.quote(python)
+    tasks = 1 if p.launch == "torchrun" else p.ntasks_per_node
+    place = f' --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * {tasks} ))' if p.spare_nodes else ""
+    srun = f"srun --kill-on-bad-exit=1{place}" + (f" {inside}" if inside else "")
+    return srun, "python3" if inside else shlex.quote(python)
 
 
 def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer", user_args: bool = True) -> list[str]:
@@ -113,10 +117,10 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     # (inherited through exec), the trainers it starts install their own handler.
     ignore = f"bash -c 'trap \"\" {p.signal}; exec \"$@\"' torchrun " if p.signal in ("USR1", "USR2") else ""
     return [
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head=${step_nodes%%,*}' if p.spare_nodes else 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
         f"{srun} {ignore}{py} -m torch.distributed.run \\",
-        f'    --nnodes="$SLURM_NNODES" --nproc-per-node={p.ntasks_per_node} \\',
+        f'    --nnodes="{"$need" if p.spare_nodes else "$SLURM_NNODES"}" --nproc-per-node={p.ntasks_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \\',
         f"    -m {module}{overrides}",
     ]
@@ -130,12 +134,39 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
     return [f'{srun} {py} -m trainer.launch {words} "$@"']
 
 
-def verdict_line(p: Profile, python: str, phase: str) -> str:
+def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
     """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
-    ends the job, and its exit code is the job's."""
+    ends the job, and its exit code is the job's; with spare nodes it may instead start the next attempt here."""
     # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
-    return (f"trap '' TERM; {python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
-            f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g} || exit $?")
+    verdict = (f"{python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
+               f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}")
+    if not p.spare_nodes:
+        return [f"trap '' TERM; {verdict} || exit $?", "exit 0"]
+    return [
+        "trap '' TERM",
+        f'next=$({verdict} --need "$need" --avoid "$avoid") || exit $?',
+        'if [[ $next == restart-here:* ]]; then avoid=${next#restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi',
+        "exit 0",
+    ]
+
+
+def spare_loop(p: Profile, attempt: list[str]) -> list[str]:
+    """With spare nodes, every attempt runs on ``nodes`` of the allocation's nodes, avoiding those blamed so far."""
+    return [
+        f"# Spare nodes (profile spare_nodes: {p.spare_nodes}): each attempt runs on {p.nodes} of the allocation's nodes;",
+        "# after a failure blamed on a node the verdict may start the next one here at once, without that node.",
+        f'need={p.nodes} avoid="" here=0',
+        "while :; do",
+        '  TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}',
+        '  if (( here )); then TRAINER_ATTEMPT+=".$here"; fi',
+        "  export TRAINER_ATTEMPT",
+        '  step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \\',
+        '    | awk -v avoid=",$avoid," \'index(avoid, "," $0 ",") == 0\' | head -n "$need" | paste -sd, -)',
+        "  job_event job_start",
+        '  echo "attempt $TRAINER_ATTEMPT of job $SLURM_JOB_ID starts on $step_nodes" >&2',
+        *(f"  {line}" if line else "" for line in attempt),
+        "done",
+    ]
 
 
 def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
@@ -149,12 +180,11 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
         *([f'{python} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
           if report else []),
         "# Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).",
-        verdict_line(p, python, "train"),
-        "exit 0",
+        *verdict_lines(p, python, "train"),
     ]
 
 
-def run_dir_lines(default: str, warning: str) -> list[str]:
+def run_dir_lines(default: str, warning: str, start: bool = True) -> list[str]:
     """``$RUN_DIR``: exported (commands and the session API write there), absolute (mounted into containers by that
     path), and without an earlier attempt's requeue marker (only this attempt's may trigger a requeue); and
     ``$TRAINER_SIGNAL``, the signal Slurm warns the job with (``warning``), on which the session saves."""
@@ -169,8 +199,9 @@ def run_dir_lines(default: str, warning: str) -> list[str]:
         '    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \\',
         '    >> "$RUN_DIR/events.jsonl" || true',
         "}",
-        "job_event job_start",
-        'echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2',
+        *(["job_event job_start",
+           'echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2']
+          if start else []),
     ]
 
 
@@ -185,8 +216,7 @@ def doctor_step(p: Profile, launch: list[str], python: str) -> list[str]:
         f"  {launch[-1]} || rc=$?",
         "  if (( rc )); then",
         '    echo "preflight doctor failed (its table, or the launch error, is above)" >&2',
-        f"    {verdict_line(p, python, 'doctor')}",
-        "    exit 0",
+        *(f"    {line}" for line in verdict_lines(p, python, "doctor")),
         "  fi",
         "fi",
     ]
@@ -210,7 +240,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         "export PYTHONUNBUFFERED=1",
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
-        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal),
+        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, start=not p.spare_nodes),
         "",
         *flight_recorder(p, "$RUN_DIR"),
     ]
@@ -219,12 +249,13 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
             'for arg in "$@"; do',
             '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
             "done",
-            *doctor_step(p, launch_line(p, python, args, module="trainer.doctor"), host_python(p, python)),
         ]
+        doctor = doctor_step(p, launch_line(p, python, args, module="trainer.doctor"), host_python(p, python))
         launch = launch_line(p, python, args)
     else:
-        lines += doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False),
+        doctor = doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False),
                              host_python(p, python))
         launch = command_line(p, python, command)
     rule = requeue_rule(p, host_python(p, python), report=command is not None and p.container.runtime == "none")
-    return "\n".join([*lines, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *rule]) + "\n"
+    attempt = [*doctor, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *rule]
+    return "\n".join([*lines, *(spare_loop(p, attempt) if p.spare_nodes else attempt)]) + "\n"

@@ -139,6 +139,9 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
     command = parse(args, module)
     if command is None:
         _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}")
+    if launcher == "submitit" and p.spare_nodes:
+        raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
+                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0")
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
@@ -198,7 +201,8 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
         return proc.returncode or 1
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
     what = f"command: {command}, " if command else ""
-    print(f"submitted job {job_id} (sbatch, {what}{p.nodes} node(s), profile {p.name})")
+    spare = f" + {p.spare_nodes} spare" if p.spare_nodes else ""
+    print(f"submitted job {job_id} (sbatch, {what}{p.nodes}{spare} node(s), profile {p.name})")
     print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
     rc = proc.wait()
     if wait:

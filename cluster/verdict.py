@@ -45,7 +45,7 @@ class Verdict:
     step: int | None = None
 
 
-def srun_failures(log: Path | None, restart: int, job: str) -> list[tuple[str, str, str]]:
+def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, str, str]]:
     """(node, tasks, how) for each task srun reported in this attempt's part of the job log, in srun's order."""
     try:
         text = log.read_text(errors="replace") if log else ""
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     """Judge this attempt, record it, act (requeue or not); exit with the job's code."""
     ns = _parser().parse_args(argv)
     run_dir, env = Path(ns.run_dir), os.environ
-    job, restart = env.get("SLURM_JOB_ID", "0"), int(env.get("SLURM_RESTART_COUNT") or 0)
-    records = [r for r in exits.records(run_dir / "exits" / str(restart)) if r.get("phase") == ns.phase]
+    job, restart = env.get("SLURM_JOB_ID", "0"), exits.attempt_id()
+    records = [r for r in exits.records(run_dir / "exits" / restart) if r.get("phase") == ns.phase]
     log = nodes.job_log(job)
     v = judge(records, srun_failures(log, restart, job), ns.rc, (run_dir / "requeue.json").exists())
     before = history(run_dir)
@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     action, why = decide(v, before, limits)
     if action == "requeue" and v.blame:
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause)
+        left = spare(env.get("SLURM_JOB_NODELIST", ""), ns.need, [*ns.avoid.split(","), *v.blame])
+        if left is not None:  # the next attempt starts here, at once: printed for the batch shell's loop
+            why += f" here, on the allocation's other nodes ({left})"
+            _record(run_dir, ns.phase, restart, v, "restart_here", why)
+            _say(v, why)
+            print(f"restart-here: {','.join(sorted({n for n in [*ns.avoid.split(','), *v.blame] if n}))}", flush=True)
+            return 0
         short = nodes.shortfall(job, v.blame)
         if short:
             action, why = "fail", f"{why}, but {short}"
@@ -166,8 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     return _finish(run_dir, v, action, why, ns.rc)
 
 
-def _record(run_dir: Path, phase: str, restart: int, v: Verdict, action: str, why: str) -> None:
-    event = {"t": round(time.time(), 3), "event": "attempt_end", "restart": restart, "phase": phase,
+def spare(nodelist: str, need: int, avoid: list[str]) -> str | None:
+    """The nodes of this allocation the next attempt can run on without ``avoid`` (None: fewer than ``need``)."""
+    if not need or not nodelist:
+        return None
+    left = [n for n in nodes.hostnames(nodelist) if n not in avoid]
+    return ",".join(left[:need]) if len(left) >= need else None
+
+
+def _record(run_dir: Path, phase: str, restart: str, v: Verdict, action: str, why: str) -> None:
+    event = {"t": round(time.time(), 3), "event": "attempt_end", "attempt": restart, "phase": phase,
              "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame, "step": v.step,
              "decision": action, "why": why}
     try:
@@ -203,6 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failures", type=int, default=3)
     p.add_argument("--suspects", default=suspects.default_path(), help="the suspects list to add blamed nodes to")
     p.add_argument("--suspect-hours", type=float, default=24.0)
+    p.add_argument("--need", type=int, default=0, help="nodes per attempt, when the job holds spare nodes")
+    p.add_argument("--avoid", default="", help="nodes of this allocation earlier attempts were blamed on")
     return p
 
 

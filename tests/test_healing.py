@@ -170,3 +170,20 @@ def test_new_jobs_exclude_suspect_nodes_until_cleared_or_expired(slurm_env: dict
     job = submit(env, "sbatch", [*SMALL, f"run.dir={tmp_path / 'after'}"])
     assert excluded(job, env) == "(null)"
     finished(tmp_path / "after", job, env)
+
+
+def test_a_spare_node_takes_over_inside_the_allocation(slurm_env: dict[str, str], tmp_path: Path,
+                                                        reference: str) -> None:
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["spare_nodes=1"])
+    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
+    node = kill_rank(job, 1, 0)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    ends = events(run, "attempt_end")
+    assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
+    assert ends[0]["blamed"] == [node]
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs  # one run of the job: no requeue
+    assert excluded(job, env) == "(null)"

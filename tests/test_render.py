@@ -15,7 +15,7 @@ from cluster.__main__ import main as cluster_main
 from cluster.command import Command, parse
 from cluster.profile import load_profile
 from cluster.render import render_sbatch
-from cluster.submit import sbatch_script, submitit_script
+from cluster.submit import sbatch_script, submit, submitit_script
 from trainer.core.errors import UserError
 
 from .conftest import ROOT
@@ -66,6 +66,18 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path, launcher: s
     _shellcheck(path, "--exclude=SC2016")  # SC2016 flags the hostile '$(...)' we quote on purpose
 
 
+@pytest.mark.parametrize("launch", ["srun", "torchrun"])
+def test_golden_spare_nodes(tmp_path: Path, launch: str) -> None:
+    p = load_profile("dev", {"nodes": 2, "spare_nodes": 1, "launch": launch, "doctor": True})
+    path, raw = GOLDEN / f"sbatch-{launch}-spare1.sh", sbatch_script(p, HOSTILE)
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(normalized(raw))
+    assert normalized(raw) == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
+    (tmp_path / "job.sh").write_text(raw)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    _shellcheck(tmp_path / "job.sh", "--exclude=SC2016")
+
+
 @pytest.mark.parametrize("name", ["train.sbatch", "train-torchrun.sbatch", "run.sbatch"])
 def test_templates_pass_bash_n_and_shellcheck(name: str) -> None:
     path = ROOT / "slurm" / name
@@ -93,17 +105,21 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
     rec = tmp / "calls.jsonl"
     run_dir = tmp / "run"
     (tmp / "records.json").write_text(json.dumps([{"phase": "train", "t": i, **r} for i, r in enumerate(records or [])]))
-    leave = (f"d = os.path.join({str(run_dir)!r}, 'exits', {str(restarts)!r}); os.makedirs(d, exist_ok=True)\n"
+    # srun's first call ends as told (records, marker, rc); a later one (an attempt inside the allocation) finishes.
+    first = tmp / "srun-called"
+    leave = (f"if os.path.exists({str(first)!r}): sys.exit(0)\nopen({str(first)!r}, 'w')\n"
+             f"d = os.path.join({str(run_dir)!r}, 'exits', {str(restarts)!r}); os.makedirs(d, exist_ok=True)\n"
              f"for r in json.load(open({str(tmp / 'records.json')!r})): "
              "open(os.path.join(d, f\"train-{r['rank']}.json\"), 'w').write(json.dumps(r))\n")
+    outputs = {"sinfo": "print('n1 idle\\nn2 idle\\nn3 idle')\n",
+               "scontrol": "if sys.argv[1:3] == ['show', 'hostnames']: print('n1\\nn2\\nn3')\n"}
     for tool in ("srun", "scontrol", "sinfo"):
         signal = ", os.environ.get('TRAINER_SIGNAL')" if tool == "srun" else ""  # srun's: what the tasks get
         leave_marker = f"open({str(run_dir / 'requeue.json')!r}, 'w').write('{{}}')\n" if marker and tool == "srun" else ""
-        out = "print('n1 idle\\nn2 idle\\nn3 idle')\n" if tool == "sinfo" else ""
         (bin_dir / tool).write_text(
             "#!/usr/bin/env python3\nimport json, os, sys\n"
             f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:], os.environ.get('RUN_DIR'){signal}]) + '\\n')\n"
-            f"{out}{leave_marker}{leave if tool == 'srun' else ''}sys.exit({rc if tool == 'srun' else 0})\n")
+            f"{outputs.get(tool, '')}{leave if tool == 'srun' else ''}{leave_marker}sys.exit({rc if tool == 'srun' else 0})\n")
         (bin_dir / tool).chmod(0o755)
     run_dir.mkdir(exist_ok=True)
     (run_dir / "requeue.json").write_text("{}")  # a stale marker from an earlier attempt must not count
@@ -159,6 +175,22 @@ def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, reco
     res = _run_script(sbatch_script(load_profile("dev"), []), tmp_path, rc, restarts, marker, records, before)
     assert _changes(res) == changes, res
     assert res["rc"] == exit_code, res
+
+
+def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
+    """A rank killed on n2: the next attempt starts at once on n1 and n3 (no requeue), as attempt "0.1"."""
+    p = load_profile("dev", {"spare_nodes": 1})
+    res = _run_script(sbatch_script(p, []), tmp_path, 137, 0, False, KILLED)
+    assert res["rc"] == 0 and _changes(res) == [], res
+    sruns = [c[1] for c in res["calls"] if c[0] == "srun"]  # type: ignore[index,union-attr]
+    assert [a[:3] for a in sruns] == [["--kill-on-bad-exit=1", "--nodes=2", "--nodelist=n1,n2"],  # type: ignore[index]
+                                      ["--kill-on-bad-exit=1", "--nodes=2", "--nodelist=n1,n3"]], sruns
+    ends = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    ends = [e for e in ends if e["event"] == "attempt_end"]
+    assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
+    assert "#SBATCH --nodes=3" in sbatch_script(p, [])
+    with pytest.raises(UserError, match="spare_nodes"):
+        submit(p, [], "submitit", True, False)
 
 
 def _changes(res: dict[str, object]) -> list[list[object]]:

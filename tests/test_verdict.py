@@ -61,9 +61,9 @@ def test_srun_lines_of_this_attempt_before_srun_ends_the_rest(tmp_path: Path) ->
     log.write_text("attempt 0 of job 9 starts on n[1-2]\nsrun: error: n1: task 0: Killed\n"
                    "attempt 1 of job 9 starts on n[1,3]\ntraining...\nsrun: error: n3: task 1: Exited with exit code 1\n"
                    "srun: launch/slurm: _step_signal: Terminating StepId=9.0\nsrun: error: n1: task 0: Killed\n")
-    assert srun_failures(log, 1, "9") == [("n3", "1", "Exited with exit code 1")]
-    assert srun_failures(log, 0, "9")[0] == ("n1", "0", "Killed")
-    assert srun_failures(tmp_path / "missing", 0, "9") == []
+    assert srun_failures(log, "1", "9") == [("n3", "1", "Exited with exit code 1")]
+    assert srun_failures(log, "0", "9")[0] == ("n1", "0", "Killed")
+    assert srun_failures(tmp_path / "missing", "0", "9") == []
 
 
 LIMITS = Limits(max_requeues=2, max_failures=1, suspects=Path("/nonexistent"), suspect_hours=1)
