@@ -30,6 +30,9 @@ from trainer.core.events import EVENTS, read
 SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 """srun's line for a task that ended badly: node, task ids, how (Killed, Exited with exit code N, Terminated)."""
 
+SRUN_LAUNCH = re.compile(r"^srun: error: Task launch for \S+ failed on node (\S+): (.+)$")
+"""srun's line for a node it could not start tasks on."""
+
 START_MARK = "attempt {restart} of job {job} starts"
 """The line the batch shell prints to stderr as an attempt starts: srun's lines after the last one are this attempt's."""
 
@@ -55,7 +58,13 @@ def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, s
     lines = (text[text.rfind(mark):] if mark in text else text).splitlines()
     # After "Terminating StepId" srun reports the tasks it ended itself (--kill-on-bad-exit): echoes, not causes.
     cut = next((i for i, line in enumerate(lines) if "Terminating StepId" in line), len(lines))
-    return [m.groups() for m in map(SRUN_TASK.match, lines[:cut]) if m]  # type: ignore[misc]
+    found: list[tuple[str, str, str]] = []
+    for line in lines[:cut]:
+        if m := SRUN_TASK.match(line):
+            found.append((m[1], m[2], m[3]))
+        elif m := SRUN_LAUNCH.match(line):
+            found.append((m[1], "launch", f"srun could not start tasks there: {m[2]}"))
+    return found
 
 
 def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: int, marker: bool) -> Verdict:
@@ -65,6 +74,10 @@ def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: i
     ended = [r for r in records if r.get("code") is not None]
     causes = [r for r in ended if r["code"] not in (0, EXIT_REQUEUE) and not r.get("echo")]
     silent = [r for r in records if r.get("code") is None]
+    if causes and all(c.get("aborted") for c in causes) and all(r.get("code") == 0 for r in records if r not in causes):
+        ranks = ", ".join(str(c["rank"]) for c in causes)
+        return Verdict(exits.FINISHED, f"every rank finished its work; rank {ranks} then aborted in teardown (a script "
+                       "that destroys its process group without a barrier first)", step=step)
     if causes:
         first = min(causes, key=lambda r: r["t"])
         blame = sorted({n for c in causes if c.get("class") == exits.INFRASTRUCTURE for n in c.get("blame") or []})
@@ -79,8 +92,8 @@ def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: i
     if killed:
         node, tasks, how = killed[0]
         ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node) or "?"
-        return Verdict(exits.INFRASTRUCTURE, f"rank {ranks} on {node} was killed (srun: task {tasks}: {how})",
-                       blame=[node], step=step)
+        cause = f"{node}: {how}" if tasks == "launch" else f"rank {ranks} on {node} was killed (srun: task {tasks}: {how})"
+        return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step)
     if silent:
         first = silent[0]
         return Verdict(exits.INFRASTRUCTURE, f"rank {first['rank']} on {first['node']} ended without a record "

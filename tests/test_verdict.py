@@ -46,6 +46,12 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
     ([], [], 1, False, "user_error", [], "without a record"),  # e.g. the image lacks a module the tasks import
     ([], [("n3", "0", "Killed")], 137, False, "infrastructure", ["n3"], "killed"),
     ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", 75, "preempted")], [], 1, True, "preempted", [], "saved"),
+    # a plain script that aborts in gloo's teardown after every other rank finished: the work is done
+    ([rec(0, "n1", 134, "user_error", aborted=True), rec(1, "n2", 0, "finished")], [], 134, False, "finished", [],
+     "aborted in teardown"),
+    ([rec(0, "n1", 134, "user_error", aborted=True), rec(1, "n2", None)], [], 134, False, "user_error", [], ""),
+    ([], [("n2", "launch", "srun could not start tasks there: Communication connection failure")], 1, False,
+     "infrastructure", ["n2"], "could not start"),
 ]
 
 
@@ -64,6 +70,10 @@ def test_srun_lines_of_this_attempt_before_srun_ends_the_rest(tmp_path: Path) ->
     assert srun_failures(log, "1", "9") == [("n3", "1", "Exited with exit code 1")]
     assert srun_failures(log, "0", "9")[0] == ("n1", "0", "Killed")
     assert srun_failures(tmp_path / "missing", "0", "9") == []
+    log.write_text("attempt 0.1 of job 9 starts on n1,n3\n"
+                   "srun: error: Task launch for StepId=9.1 failed on node n3: Communication connection failure\n")
+    assert srun_failures(log, "0.1", "9") == [("n3", "launch", "srun could not start tasks there: Communication "
+                                                                "connection failure")]
 
 
 LIMITS = Limits(max_requeues=2, max_failures=1, suspects=Path("/nonexistent"), suspect_hours=1)
@@ -129,3 +139,17 @@ def test_a_user_error_is_recorded_with_its_file_and_line(tmp_path: Path) -> None
     assert proc.returncode == 1 and "KeyError: 'vocab'" in proc.stderr  # the user's traceback stays
     record = json.loads((tmp_path / "run" / "exits" / "2" / "train-0.json").read_text())
     assert record["class"] == "user_error" and record["node"] == "n7" and record["where"] == f"{script}:4", record
+
+
+@pytest.mark.parametrize(("code", "kind"), [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "infrastructure"),  # the OOM-killer, a dying node
+    ("import os; os.abort()", "user_error"),  # the script's own crash
+    ("raise SystemExit(3)", "user_error"),
+    ("raise SystemExit(75)", "preempted"),
+    ("pass", "finished"),
+])
+def test_a_commands_end_is_recorded_by_its_contract(tmp_path: Path, code: str, kind: str) -> None:
+    env = clean_env({"RUN_DIR": str(tmp_path), "SLURMD_NODENAME": "n4"})
+    subprocess.run([sys.executable, "-m", "trainer.launch", "--", "python", "-c", code], env=env, capture_output=True)
+    record = json.loads((tmp_path / "exits" / "0" / "train-0.json").read_text())
+    assert (record["class"], record["node"]) == (kind, "n4"), record

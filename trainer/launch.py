@@ -36,6 +36,10 @@ STOP_WAIT_S = 10.0
 
 PYTHONS = ("python", "python3")
 
+SELF_INFLICTED = {signal.SIGABRT, signal.SIGSEGV, signal.SIGFPE, signal.SIGILL}
+"""Signals a process raises against itself: its own error. Any other (KILL from the OOM-killer, TERM, BUS) is the
+node's."""
+
 
 def command_argv(cmd: list[str], env: DistEnv, torchrun: int) -> list[str]:
     """The argv to start: ``python`` words replaced by this interpreter, wrapped in torchrun's agent when asked."""
@@ -138,7 +142,10 @@ def _record(rank: int, rc: int) -> None:
             return
     except (OSError, ValueError):
         pass
-    if rc < 0:
+    if rc < 0 and -rc in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
+        info = exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(-rc).name})",
+                             aborted=-rc == signal.SIGABRT)
+    elif rc < 0:
         info = exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}")
     else:
         kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(rc, exits.USER_ERROR)
