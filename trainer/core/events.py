@@ -3,7 +3,9 @@
 Each event is one ``write`` of one complete line to a file opened with O_APPEND, so a crash or a SIGKILL leaves
 whole lines only (a torn last line, possible on power loss, is skipped by readers). Events: ``attempt`` (job,
 restart count, nodes, processes, versions, git commit), ``first_step``, ``progress`` (the step reached, at every
-signal poll), ``metrics``, ``checkpoint`` (step, seconds training waited, bytes), ``signal``, ``exit`` (code).
+signal poll), ``metrics``, ``checkpoint`` (step, seconds training waited, bytes), ``signal``, ``exit`` (code); the batch
+shell adds ``job_start``/``job_end`` and the verdict on each attempt, ``attempt_end`` (class, cause, blamed nodes,
+decision: cluster/verdict.py).
 """
 
 from __future__ import annotations
