@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "unk", "futr", "boot", "powered", "pow_dn", "npc")
@@ -69,13 +70,15 @@ def shortfall(job: str, blamed: list[str]) -> str | None:
 
 
 def requeue(job: str, blamed: list[str]) -> str | None:
-    """Requeue the job, then exclude ``blamed`` from its next start; None on success, else what went wrong."""
+    """Requeue the job, then exclude ``blamed`` (with what it excluded before) from its next start; None when it is
+    requeued (a failed exclusion is only warned about), else why not."""
+    before = excluded(job) if blamed else []  # read first: after the requeue every moment counts (KillWait)
     rc, out = _run("scontrol", "requeue", job)
     if rc:
         return f"scontrol requeue {job} failed: {out}"
     if blamed:
-        nodes = sorted(set(excluded(job)) | set(blamed))
+        nodes = sorted(set(before) | set(blamed))
         rc, out = _run("scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}")
         if rc:
-            return f"requeued, but excluding {','.join(blamed)} failed: {out}"
+            print(f"warning: requeued, but excluding {','.join(blamed)} failed: {out}", file=sys.stderr)
     return None

@@ -137,17 +137,23 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
     """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
     ends the job, and its exit code is the job's; with spare nodes it may instead start the next attempt here."""
-    # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
     verdict = (f"{python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
                f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}")
-    if not p.spare_nodes:
-        return [f"trap '' TERM; {verdict} || exit $?", "exit 0"]
-    return [
-        "trap '' TERM",
-        f'next=$({verdict} --need "$need" --avoid "$avoid") || exit $?',
-        'if [[ $next == restart-here:* ]]; then avoid=${next#restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi',
-        "exit 0",
-    ]
+    if p.spare_nodes:
+        verdict = f'next=$({verdict} --need "$need" --avoid "$avoid")'
+    # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
+    lines = ["trap '' TERM", f"verdict=0; {verdict} || verdict=$?"]
+    if p.container.runtime != "none":  # the host's python3 may be missing: the plain rule still requeues a saved run
+        lines += ["if (( verdict == 126 || verdict == 127 )); then",
+                  '  echo "no python3 on this host for the verdict: the plain requeue rule" >&2',
+                  f'  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )) '
+                  '&& scontrol requeue "$SLURM_JOB_ID" && exit 0',
+                  '  exit "$rc"',
+                  "fi"]
+    if p.spare_nodes:  # the verdict's last line asks for the next attempt here, without the nodes it names
+        lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); '
+                     "trap - TERM; continue; fi")
+    return [*lines, 'exit "$verdict"']
 
 
 def spare_loop(p: Profile, attempt: list[str]) -> list[str]:
@@ -157,6 +163,7 @@ def spare_loop(p: Profile, attempt: list[str]) -> list[str]:
         "# after a failure blamed on a node the verdict may start the next one here at once, without that node.",
         f'need={p.nodes} avoid="" here=0',
         "while :; do",
+        '  rm -f "$RUN_DIR/requeue.json"  # only this attempt\'s marker may count',
         '  TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}',
         '  if (( here )); then TRAINER_ATTEMPT+=".$here"; fi',
         "  export TRAINER_ATTEMPT",

@@ -53,6 +53,9 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     the training overrides, which the optional preflight doctor checks with)."""
     import submitit
 
+    if p.spare_nodes:
+        raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
+                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0 (sweeps run through submitit)")
     folder = Path(p.log_dir) / "%j"
     inside = container_prefix(p)
     # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
@@ -139,9 +142,6 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
     command = parse(args, module)
     if command is None:
         _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}")
-    if launcher == "submitit" and p.spare_nodes:
-        raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
-                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0")
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",

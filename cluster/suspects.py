@@ -7,9 +7,14 @@ cause. The verdict adds to it; ``make submit`` and sweeps pass the unexpired one
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import socket
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +36,31 @@ def load(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _save(path: Path, entries: dict[str, dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}")
     tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One writer at a time (jobs' verdicts may blame nodes at once): an flock on ``<path>.lock``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def add(path: Path, nodes: list[str], hours: float, job: str, cause: str) -> None:
     """Suspect ``nodes`` for ``hours`` from now (a later blame extends it)."""
-    entries = load(path)
     until = time.time() + hours * 3600
-    for node in nodes:
-        entries[node] = {"until": round(until), "job": job, "cause": cause[:200], "since": round(time.time())}
     try:
-        _save(path, entries)
-    except OSError as exc:
-        print(f"suspects: cannot write {path} ({exc.strerror})")
+        with _locked(path):
+            entries = load(path)
+            for node in nodes:
+                entries[node] = {"until": round(until), "job": job, "cause": cause[:200], "since": round(time.time())}
+            _save(path, entries)
+    except OSError as exc:  # stderr: a batch shell reads the verdict's stdout
+        print(f"suspects: cannot write {path} ({exc.strerror})", file=sys.stderr)
 
 
 def active(path: Path, now: float | None = None) -> list[str]:
@@ -57,12 +71,13 @@ def active(path: Path, now: float | None = None) -> list[str]:
 
 def clear(path: Path, node: str) -> list[str]:
     """Forget ``node`` (``all``: every node); returns the nodes removed."""
-    entries = load(path)
-    gone = sorted(entries) if node == "all" else [node] if node in entries else []
-    for n in gone:
-        del entries[n]
-    if gone:
-        _save(path, entries)
+    with _locked(path):
+        entries = load(path)
+        gone = sorted(entries) if node == "all" else [node] if node in entries else []
+        for n in gone:
+            del entries[n]
+        if gone:
+            _save(path, entries)
     return gone
 
 

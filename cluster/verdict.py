@@ -27,14 +27,20 @@ from trainer.core import exits
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EVENTS, read
 
-SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
-"""srun's line for a task that ended badly: node, task ids, how (Killed, Exited with exit code N, Terminated)."""
+SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+"""srun's line for a task that ended badly: node, task ids, how (Killed, Exited with exit code N, Out Of Memory)."""
 
-SRUN_LAUNCH = re.compile(r"^srun: error: Task launch for \S+ failed on node (\S+): (.+)$")
+SRUN_LAUNCH = re.compile(r"srun: error: Task launch for \S+ failed on node (\S+): (.+)$")
 """srun's line for a node it could not start tasks on."""
+
+KILLED = ("Killed", "exit code 137")
+"""How srun reports a task ended by SIGKILL (the OOM-killer, a dying node; a container reports it as 137)."""
 
 START_MARK = "attempt {restart} of job {job} starts"
 """The line the batch shell prints to stderr as an attempt starts: srun's lines after the last one are this attempt's."""
+
+LOG_TAIL = 4 << 20
+"""Bytes of the job log read (it holds every attempt's output)."""
 
 
 @dataclass
@@ -51,7 +57,9 @@ class Verdict:
 def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, str, str]]:
     """(node, tasks, how) for each task srun reported in this attempt's part of the job log, in srun's order."""
     try:
-        text = log.read_text(errors="replace") if log else ""
+        with open(log or "", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL))
+            text = f.read().decode(errors="replace")
     except OSError:
         return []
     mark = START_MARK.format(restart=restart, job=job)
@@ -60,9 +68,9 @@ def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, s
     cut = next((i for i, line in enumerate(lines) if "Terminating StepId" in line), len(lines))
     found: list[tuple[str, str, str]] = []
     for line in lines[:cut]:
-        if m := SRUN_TASK.match(line):
+        if m := SRUN_TASK.search(line):
             found.append((m[1], m[2], m[3]))
-        elif m := SRUN_LAUNCH.match(line):
+        elif m := SRUN_LAUNCH.search(line):
             found.append((m[1], "launch", f"srun could not start tasks there: {m[2]}"))
     return found
 
@@ -73,42 +81,59 @@ def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: i
     step = max(steps) if steps else None
     ended = [r for r in records if r.get("code") is not None]
     causes = [r for r in ended if r["code"] not in (0, EXIT_REQUEUE) and not r.get("echo")]
-    silent = [r for r in records if r.get("code") is None]
-    if causes and all(c.get("aborted") for c in causes) and all(r.get("code") == 0 for r in records if r not in causes):
+    others = [r for r in records if r not in causes]
+    if causes and all(c.get("aborted") for c in causes) and others and all(r.get("code") == 0 for r in others):
         ranks = ", ".join(str(c["rank"]) for c in causes)
         return Verdict(exits.FINISHED, f"every rank finished its work; rank {ranks} then aborted in teardown (a script "
                        "that destroys its process group without a barrier first)", step=step)
     if causes:
-        first = min(causes, key=lambda r: r["t"])
-        blame = sorted({n for c in causes if c.get("class") == exits.INFRASTRUCTURE for n in c.get("blame") or []})
-        if first.get("class") == exits.INFRASTRUCTURE and not blame:
-            blame = [first["node"]]
-        return Verdict(first.get("class", exits.USER_ERROR), exits.describe(first), first.get("where"), blame, step)
+        return _first_cause(causes, step)
     if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
     if marker or (rc == EXIT_REQUEUE and all(r.get("code") == EXIT_REQUEUE for r in ended)):
         return Verdict(exits.PREEMPTED, "saved after the warning signal", step=step)
-    killed = [s for s in srun if "exit code" not in s[2]]
+    return _without_cause(records, srun, rc, step)
+
+
+def _first_cause(causes: list[dict[str, Any]], step: int | None) -> Verdict:
+    """The earliest recorded cause; an infrastructure cause blames what its records name (else the node it ran on)."""
+    first = min(causes, key=lambda r: r["t"])
+    infra = [c for c in causes if c.get("class") == exits.INFRASTRUCTURE]
+    blame = sorted({n for c in infra for n in c.get("blame") or []})
+    if first.get("class") == exits.INFRASTRUCTURE and "blame" not in first:
+        blame = blame or [first["node"]]
+    return Verdict(first.get("class", exits.USER_ERROR), exits.describe(first), first.get("where"), blame, step)
+
+
+def _without_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: int,
+                   step: int | None) -> Verdict:
+    """No rank recorded why: srun's own lines decide (only a kill or a failed launch is evidence against a node)."""
+    silent = [r for r in records if r.get("code") is None]
+    oom = [s for s in srun if "out of memory" in s[2].lower()]
+    if oom:
+        return Verdict(exits.RESOURCE, f"task {oom[0][1]} on {oom[0][0]}: {oom[0][2]} (the job's memory limit: ask "
+                       "for more memory per task, or use less)", step=step)
+    killed = [s for s in srun if s[1] == "launch" or any(k in s[2] for k in KILLED)]
     if killed:
         node, tasks, how = killed[0]
         ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node) or "?"
         cause = f"{node}: {how}" if tasks == "launch" else f"rank {ranks} on {node} was killed (srun: task {tasks}: {how})"
         return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step)
-    if silent:
-        first = silent[0]
-        return Verdict(exits.INFRASTRUCTURE, f"rank {first['rank']} on {first['node']} ended without a record "
-                       "(killed by a signal)", blame=sorted({r["node"] for r in silent}), step=step)
-    if any(r.get("echo") for r in ended):
+    if silent:  # no kill in srun's lines (torchrun's agent reports one as exit 1): blame only a single node
+        where = sorted({str(r.get("node")) for r in silent})
+        return Verdict(exits.INFRASTRUCTURE, f"rank {silent[0]['rank']} on {silent[0].get('node')} ended without a "
+                       "record (killed by a signal)", blame=where if len(where) == 1 else [], step=step)
+    if any(r.get("echo") for r in records):
         return Verdict(exits.INFRASTRUCTURE, "a peer was lost mid-collective (no rank recorded why)", step=step)
     if srun:
-        return Verdict(exits.INFRASTRUCTURE, f"srun: task {srun[0][1]} on {srun[0][0]}: {srun[0][2]}",
-                       blame=[srun[0][0]], step=step)
+        return Verdict(exits.USER_ERROR, f"task {srun[0][1]} on {srun[0][0]}: {srun[0][2]}, without a record of why "
+                       "(its output is above)", step=step)
     return Verdict(exits.USER_ERROR, f"the tasks exited {rc} without a record (their output is above)", step=step)
 
 
-def history(run_dir: Path) -> list[dict[str, Any]]:
-    """The earlier verdicts of this job (``attempt_end`` events)."""
-    return [e for e in read(run_dir) if e.get("event") == "attempt_end"]
+def history(run_dir: Path, job: str) -> list[dict[str, Any]]:
+    """The earlier verdicts of this job (``attempt_end`` events; a reused run folder holds other jobs' too)."""
+    return [e for e in read(run_dir) if e.get("event") == "attempt_end" and e.get("job_id") == job]
 
 
 def repeated(v: Verdict, before: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -145,44 +170,60 @@ def decide(v: Verdict, before: list[dict[str, Any]], limits: Limits) -> tuple[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Judge this attempt, record it, act (requeue or not); exit with the job's code."""
+    """Judge this attempt, act (requeue, restart here, or end), record it; exit with the job's code."""
     ns = _parser().parse_args(argv)
+    # The requeue's SIGTERM reaches this whole job step: ignored here and (inherited) in scontrol, so that the
+    # exclusion after the requeue still happens before KillWait's SIGKILL.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return _verdict(ns)
+    except Exception:  # noqa: BLE001 - a bug here must not lose a preemption save: the plain requeue rule instead
+        import traceback
+
+        traceback.print_exc()
+        marker = (Path(ns.run_dir) / "requeue.json").exists()
+        if (ns.rc == EXIT_REQUEUE or marker) and int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ns.max_requeues:
+            print("verdict failed (above): requeueing the saved run by the plain rule", file=sys.stderr)
+            return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), []) is None else ns.rc
+        return ns.rc or 1
+
+
+def _verdict(ns: argparse.Namespace) -> int:
     run_dir, env = Path(ns.run_dir), os.environ
     job, restart = env.get("SLURM_JOB_ID", "0"), exits.attempt_id()
-    records = [r for r in exits.records(run_dir / "exits" / restart) if r.get("phase") == ns.phase]
-    log = nodes.job_log(job)
-    v = judge(records, srun_failures(log, restart, job), ns.rc, (run_dir / "requeue.json").exists())
-    before = history(run_dir)
+    records = [r for r in exits.records(run_dir / "exits" / exits.attempt_folder()) if r.get("phase") == ns.phase]
+    v = judge(records, srun_failures(nodes.job_log(job), restart, job), ns.rc, (run_dir / "requeue.json").exists())
+    nodes_seen = {r.get("node") for r in records}
+    if ns.phase == "doctor" and v.kind == exits.INFRASTRUCTURE and len(nodes_seen) > 1 and nodes_seen <= set(v.blame):
+        v = Verdict(exits.USER_ERROR, f"{v.cause}; it fails on every node: the setup's, not a node's", step=v.step)
+    before = history(run_dir, job)
     earlier = repeated(v, before)
     if earlier is not None:
         v = Verdict(exits.USER_ERROR, f"{v.cause}; the same step {v.step} failed before on "
                     f"{', '.join(earlier.get('blamed') or ['another node'])}: the code's fault, not a node's",
                     v.where, [], v.step)
     limits = Limits(ns.max_requeues, ns.max_failures, Path(ns.suspects), ns.suspect_hours)
-    # The requeue's SIGTERM reaches this whole job step: ignored here and (inherited) in scontrol, so that the
-    # exclusion after the requeue still happens before KillWait's SIGKILL.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     action, why = decide(v, before, limits)
+    if action == "requeue" and int(env.get("SLURM_RESTART_COUNT") or 0) >= ns.max_requeues + ns.max_failures:
+        action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
+    avoid = sorted({n for n in [*ns.avoid.split(","), *v.blame] if n})
     if action == "requeue" and v.blame:
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause)
-        left = spare(env.get("SLURM_JOB_NODELIST", ""), ns.need, [*ns.avoid.split(","), *v.blame])
-        if left is not None:  # the next attempt starts here, at once: printed for the batch shell's loop
-            why += f" here, on the allocation's other nodes ({left})"
-            _record(run_dir, ns.phase, restart, v, "restart_here", why)
-            _say(v, why)
-            print(f"restart-here: {','.join(sorted({n for n in [*ns.avoid.split(','), *v.blame] if n}))}", flush=True)
+        left = spare(env.get("SLURM_JOB_NODELIST", ""), ns.need, avoid)
+        if left is not None:  # the next attempt starts here, at once: the last line tells the batch shell's loop
+            _record(run_dir, ns.phase, restart, job, v, "restart_here", f"{why} here, on {left}")
+            print(f"restart-here: {','.join(avoid)}", flush=True)
             return 0
-        short = nodes.shortfall(job, v.blame)
+        short = nodes.shortfall(job, avoid)
         if short:
             action, why = "fail", f"{why}, but {short}"
     if action == "requeue":
-        _record(run_dir, ns.phase, restart, v, action, why)
-        _say(v, why)
-        problem = nodes.requeue(job, v.blame)
+        problem = nodes.requeue(job, avoid)
         if problem is None:
+            _record(run_dir, ns.phase, restart, job, v, action, why)
             return 0
         action, why = "fail", problem
-    _record(run_dir, ns.phase, restart, v, action, why)
+    _record(run_dir, ns.phase, restart, job, v, action, why)
     return _finish(run_dir, v, action, why, ns.rc)
 
 
@@ -194,8 +235,12 @@ def spare(nodelist: str, need: int, avoid: list[str]) -> str | None:
     return ",".join(left[:need]) if len(left) >= need else None
 
 
-def _record(run_dir: Path, phase: str, restart: str, v: Verdict, action: str, why: str) -> None:
-    event = {"t": round(time.time(), 3), "event": "attempt_end", "attempt": restart, "phase": phase,
+def _record(run_dir: Path, phase: str, restart: str, job: str, v: Verdict, action: str, why: str) -> None:
+    """The verdict in one line of the log and one ``attempt_end`` event (the budgets count these)."""
+    blamed = f" [blamed: {', '.join(v.blame)}]" if v.blame else ""
+    where = f" at {v.where}" if v.where else ""
+    print(f"attempt ended: {v.kind}: {v.cause}{where}{blamed} -> {why}", file=sys.stderr, flush=True)
+    event = {"t": round(time.time(), 3), "event": "attempt_end", "job_id": job, "attempt": restart, "phase": phase,
              "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame, "step": v.step,
              "decision": action, "why": why}
     try:
@@ -205,14 +250,7 @@ def _record(run_dir: Path, phase: str, restart: str, v: Verdict, action: str, wh
         print(f"verdict: cannot append to {run_dir / EVENTS} ({exc.strerror})", file=sys.stderr)
 
 
-def _say(v: Verdict, why: str) -> None:
-    blamed = f" [blamed: {', '.join(v.blame)}]" if v.blame else ""
-    where = f" at {v.where}" if v.where else ""
-    print(f"attempt ended: {v.kind}: {v.cause}{where}{blamed} -> {why}", file=sys.stderr, flush=True)
-
-
 def _finish(run_dir: Path, v: Verdict, action: str, why: str, rc: int) -> int:
-    _say(v, why)
     if action == "done":
         return 0
     result = {"outcome": "failed", "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame,

@@ -136,7 +136,7 @@ def test_a_hang_is_blamed_on_the_stuck_ranks_node(slurm_env: dict[str, str], tmp
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
     first = events(run, "attempt_end")[0]
-    stuck = json.loads((run / "exits" / "0" / "train-1.json").read_text())["node"]
+    stuck = json.loads((run / "exits" / f"{job}.0" / "train-1.json").read_text())["node"]
     assert first["class"] == "infrastructure" and first["blamed"] == [stuck] and "hang" in first["cause"], first
     assert stuck in excluded(job, env)
 

@@ -108,7 +108,7 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
     # srun's first call ends as told (records, marker, rc); a later one (an attempt inside the allocation) finishes.
     first = tmp / "srun-called"
     leave = (f"if os.path.exists({str(first)!r}): sys.exit(0)\nopen({str(first)!r}, 'w')\n"
-             f"d = os.path.join({str(run_dir)!r}, 'exits', {str(restarts)!r}); os.makedirs(d, exist_ok=True)\n"
+             f"d = os.path.join({str(run_dir)!r}, 'exits', '77.{restarts}'); os.makedirs(d, exist_ok=True)\n"
              f"for r in json.load(open({str(tmp / 'records.json')!r})): "
              "open(os.path.join(d, f\"train-{r['rank']}.json\"), 'w').write(json.dumps(r))\n")
     outputs = {"sinfo": "print('n1 idle\\nn2 idle\\nn3 idle')\n",
@@ -123,7 +123,7 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
         (bin_dir / tool).chmod(0o755)
     run_dir.mkdir(exist_ok=True)
     (run_dir / "requeue.json").write_text("{}")  # a stale marker from an earlier attempt must not count
-    (run_dir / "events.jsonl").write_text("".join(json.dumps({"t": i, "event": "attempt_end", "class": c}) + "\n"
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"t": i, "event": "attempt_end", "class": c, "job_id": "77"}) + "\n"
                                                   for i, c in enumerate(before or [])))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "TRAINER_SUSPECTS": str(tmp / "s.json"),
            "SLURM_RESTART_COUNT": str(restarts), "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "RUN_DIR": str(run_dir)}

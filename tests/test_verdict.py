@@ -52,6 +52,18 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
     ([rec(0, "n1", 134, "user_error", aborted=True), rec(1, "n2", None)], [], 134, False, "user_error", [], ""),
     ([], [("n2", "launch", "srun could not start tasks there: Communication connection failure")], 1, False,
      "infrastructure", ["n2"], "could not start"),
+    # an exit code without a record (a missing module in the image): the user's, no healthy node blamed
+    ([], [("n1", "0", "Exited with exit code 1")], 1, False, "user_error", [], "without a record"),
+    ([rec(0, "n1", 134, "user_error", aborted=True, cause="crashed (SIGABRT)")], [], 134, False, "user_error", [],
+     "crash"),  # alone: not done
+    ([rec(0, "n1", None)], [("n1", "0", "Out Of Memory")], 137, False, "resource", [], "memory limit"),
+    ([rec(0, "n1", None), rec(1, "n2", 1, "infrastructure", **ECHO)], [("n1", "0", "Exited with exit code 137")],
+     137, False, "infrastructure", ["n1"], "killed"),  # a container's SIGKILL
+    ([rec(0, "n1", 3, "infrastructure", cause="hang: every rank waits in the same collective", blame=[])], [], 3, False,
+     "infrastructure", [], "same collective"),  # nobody to blame
+    # srun's TERM to a command still saving after rank 0 saved and left the marker: an echo, the run is saved
+    ([rec(0, "n1", 75, "preempted"), rec(1, "n2", 143, "infrastructure", echo=True, cause="killed by SIGTERM")],
+     [], 143, True, "preempted", [], "saved"),
 ]
 
 
@@ -120,8 +132,13 @@ def test_suspects_expire_and_clear(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("exc", "kind", "echo"), [
-    (RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:3. This is typically caused"), "infrastructure",
-     True),
+    (RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                  "[127.0.0.1]:3. This is typically caused"), "infrastructure", True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv"),
+     "infrastructure", True),
+    (BrokenPipeError("[Errno 32] Broken pipe"), "user_error", False),  # the user's own pipe, not a collective
+    (RuntimeError("CUDA error: device-side assert triggered"), "user_error", False),
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), "infrastructure", False),
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error"), "infrastructure", False),
     (MemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "resource", False),
     (ValueError("shape mismatch"), "user_error", False),
@@ -137,7 +154,7 @@ def test_a_user_error_is_recorded_with_its_file_and_line(tmp_path: Path) -> None
     env = clean_env({"RUN_DIR": str(tmp_path / "run"), "SLURMD_NODENAME": "n7", "SLURM_RESTART_COUNT": "2"})
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and "KeyError: 'vocab'" in proc.stderr  # the user's traceback stays
-    record = json.loads((tmp_path / "run" / "exits" / "2" / "train-0.json").read_text())
+    record = json.loads((tmp_path / "run" / "exits" / "local.2" / "train-0.json").read_text())
     assert record["class"] == "user_error" and record["node"] == "n7" and record["where"] == f"{script}:4", record
 
 
@@ -151,5 +168,24 @@ def test_a_user_error_is_recorded_with_its_file_and_line(tmp_path: Path) -> None
 def test_a_commands_end_is_recorded_by_its_contract(tmp_path: Path, code: str, kind: str) -> None:
     env = clean_env({"RUN_DIR": str(tmp_path), "SLURMD_NODENAME": "n4"})
     subprocess.run([sys.executable, "-m", "trainer.launch", "--", "python", "-c", code], env=env, capture_output=True)
-    record = json.loads((tmp_path / "exits" / "0" / "train-0.json").read_text())
+    record = json.loads((tmp_path / "exits" / "local.0" / "train-0.json").read_text())
     assert (record["class"], record["node"]) == (kind, "n4"), record
+
+
+@pytest.mark.parametrize(("check", "kind", "blame"), [
+    ("gpus", "infrastructure", ["n5"]),  # this node's GPUs
+    ("fault", "infrastructure", ["n5"]),
+    ("model memory", "resource", None),  # the configuration's, on every node alike
+    ("tracking", "user_error", None),
+])
+def test_the_doctor_blames_its_node_only_for_a_node_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, check: str,
+                                                          kind: str, blame: list[str] | None) -> None:
+    from trainer.doctor.checks import FAIL, Check
+    from trainer.doctor.run import _record
+
+    for name, value in {"RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRAINER_ATTEMPT", raising=False)
+    _record(0, "n5", [Check(check, FAIL, "broken", "")], 1)
+    record = json.loads((tmp_path / "exits" / "5.0" / "doctor-0.json").read_text())
+    assert (record["class"], record.get("blame")) == (kind, blame), record

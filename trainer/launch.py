@@ -145,8 +145,9 @@ def _record(rank: int, rc: int) -> None:
     if rc < 0 and -rc in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
         info = exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(-rc).name})",
                              aborted=-rc == signal.SIGABRT)
-    elif rc < 0:
-        info = exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}")
+    elif rc < 0:  # TERM/INT come from srun ending the step or from scancel: echoes; KILL, BUS … the node's
+        info = exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}",
+                             echo=-rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     else:
         kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(rc, exits.USER_ERROR)
         info = exits.outcome(kind, f"the command exited {rc}")

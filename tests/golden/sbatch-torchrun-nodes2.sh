@@ -42,8 +42,9 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
       -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
-    trap '' TERM; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
-    exit 0
+    trap '' TERM
+    verdict=0; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+    exit "$verdict"
   fi
 fi
 rc=0
@@ -56,5 +57,6 @@ srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m
 
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
-trap '' TERM; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
-exit 0
+trap '' TERM
+verdict=0; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+exit "$verdict"

@@ -33,6 +33,7 @@ done
 # after a failure blamed on a node the verdict may start the next one here at once, without that node.
 need=2 avoid="" here=0
 while :; do
+  rm -f "$RUN_DIR/requeue.json"  # only this attempt's marker may count
   TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}
   if (( here )); then TRAINER_ATTEMPT+=".$here"; fi
   export TRAINER_ATTEMPT
@@ -52,9 +53,9 @@ while :; do
     if (( rc )); then
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
-      next=$(<python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --need "$need" --avoid "$avoid") || exit $?
-      if [[ $next == restart-here:* ]]; then avoid=${next#restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
-      exit 0
+      verdict=0; next=$(<python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --need "$need" --avoid "$avoid") || verdict=$?
+      if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+      exit "$verdict"
     fi
   fi
   rc=0
@@ -68,7 +69,7 @@ while :; do
   job_event job_end ", \"code\": $rc"
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
-  next=$(<python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --need "$need" --avoid "$avoid") || exit $?
-  if [[ $next == restart-here:* ]]; then avoid=${next#restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
-  exit 0
+  verdict=0; next=$(<python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --need "$need" --avoid "$avoid") || verdict=$?
+  if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+  exit "$verdict"
 done

@@ -33,8 +33,9 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   srun --kill-on-bad-exit=1 <python> -m trainer.doctor || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
-    trap '' TERM; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
-    exit 0
+    trap '' TERM
+    verdict=0; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+    exit "$verdict"
   fi
 fi
 
@@ -48,5 +49,6 @@ rc=$?  # the tasks' exit code (srun's, the line above)
 job_event job_end ", \"code\": $rc"
 <python> -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
-trap '' TERM; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || exit $?
-exit 0
+trap '' TERM
+verdict=0; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+exit "$verdict"

@@ -60,6 +60,8 @@ def recorded(fn: Callable[[], int], phase: str = "train") -> int:
     stopped because a peer went away says so in one line, without a traceback: its end is an echo, not a cause."""
     try:
         code = exit_code_of(fn)
+    except SystemExit as exc:  # sys.exit(n) in the user's function
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     except Exception as exc:  # noqa: BLE001 - classified, recorded, then shown once
         if not record_failure(exc, phase)["echo"]:
             traceback.print_exc()

@@ -1,6 +1,6 @@
 """Each rank's exit record: how this process ended, for the batch shell's verdict on the attempt (cluster/verdict.py).
 
-``$RUN_DIR/exits/<attempt>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
+``$RUN_DIR/exits/<job>.<attempt>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
 ends: Slurm's node name, rank, exit code, class, one-line cause, where (file:line of a user error), step, and the
 nodes it blames (a hang report names the stuck rank's). A rank killed by a signal keeps only its start record: that,
 with srun's own ``task N: Killed`` line, names it. Stdlib only and torch-free: the verdict runs with the host's python.
@@ -24,13 +24,20 @@ CLASSES = (FINISHED, PREEMPTED, USER_ERROR, RESOURCE, INFRASTRUCTURE)
 """How an attempt (or one rank of it) ended; only ``infrastructure`` is retried."""
 
 PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout",
-             "connection refused", "communicator was aborted", "recvbytes", "sendbytes", "read error", "ncclremoteerror")
-"""Message fragments of a collective whose peer went away: an echo of another rank's end, never a first cause."""
+             "connection refused", "communicator was aborted", "timed out", "timeout", "recvbytes", "sendbytes",
+             "ncclremoteerror")
+"""Message fragments of a collective whose peer went away or never answered: an echo of another rank's end, never a
+first cause, when the error comes from torch.distributed (see :data:`DISTRIBUTED`)."""
 
-DEVICE = ("nccl error", "cuda error", "uncorrectable ecc", "xid", "cudaerrorlaunchfailure", "nvlink")
-"""Message fragments of a failing GPU or interconnect: the node's fault."""
+DISTRIBUTED = ("gloo", "processgroup", "c10d", "nccl", "torch.distributed", "collective")
+"""Markers of an error raised by torch.distributed (a user's own BrokenPipeError or timeout is the user's)."""
 
-EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "RANK", "SLURM_PROCID", "RUN_DIR")
+DEVICE = re.compile(r"nccl error|uncorrectable ecc|\bxid\b|cudaerrorlaunchfailure|nvlink|cuda error: (an illegal "
+                    r"instruction|unspecified launch failure|uncorrectable|ecc|misaligned)", re.I)
+"""Message fragments of a failing GPU or interconnect: the node's fault (a device-side assert is the code's)."""
+
+EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "SLURM_JOB_ID", "RANK", "SLURM_PROCID",
+                  "RUN_DIR")
 """What this module reads: container launchers pass them in (the container's own host name is no node's name)."""
 
 _written: dict[str, bool] = {}
@@ -47,13 +54,18 @@ def attempt_id() -> str:
     return os.environ.get("TRAINER_ATTEMPT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
 
 
+def attempt_folder() -> str:
+    """The folder of this attempt's records: job id and attempt (a reused run folder keeps other jobs' apart)."""
+    return f"{os.environ.get('SLURM_JOB_ID') or 'local'}.{attempt_id()}"
+
+
 def record_path(phase: str = "train", rank: int | None = None) -> Path | None:
     """Where this process's record goes (None outside a batch job: no RUN_DIR)."""
     run_dir = os.environ.get("RUN_DIR")
     if not run_dir:
         return None
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) if rank is None else rank
-    return Path(run_dir) / "exits" / attempt_id() / f"{phase}-{rank}.json"
+    return Path(run_dir) / "exits" / attempt_folder() / f"{phase}-{rank}.json"
 
 
 def write(path: Path | None, **fields: Any) -> None:
@@ -70,10 +82,12 @@ def write(path: Path | None, **fields: Any) -> None:
         print(f"exit record {path}: {exc.strerror}", file=sys.stderr)
 
 
-def started(rank: int, phase: str = "train") -> None:
-    """The start record: a process that never writes its end was killed."""
+def started(rank: int | None, phase: str = "train") -> None:
+    """The start record (``rank`` None: from the environment): a process that never writes its end was killed."""
     path = record_path(phase, rank)
-    write(path, rank=rank, phase=phase, code=None)
+    if path is None:
+        return
+    write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=None)
     _written[str(path)] = False
 
 
@@ -100,9 +114,11 @@ def classify(exc: BaseException) -> dict[str, Any]:
     low = text.lower()
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
-    if any(p in low for p in PEER_LOST) or type(exc).__name__ in ("DistNetworkError", "DistStoreError"):
+    distributed = type(exc).__module__.startswith("torch.distributed") or type(exc).__name__.startswith("Dist") \
+        or any(m in low for m in DISTRIBUTED)
+    if distributed and any(p in low for p in PEER_LOST):
         return {"class": INFRASTRUCTURE, "cause": f"lost a peer mid-collective ({first})", "echo": True}
-    if any(p in low for p in DEVICE) or type(exc).__name__ == "DistBackendError":
+    if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":
         return {"class": INFRASTRUCTURE, "cause": f"device or interconnect error: {first}", "echo": False}
     return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from trainer.core import config as config_mod
 from trainer.core import exits
 from trainer.core.env import DistEnv, discover, host_facts, job_info, without_placement
-from trainer.core.errors import UserError, exit_code_of
+from trainer.core.errors import UserError, recorded
 from trainer.doctor.checks import (
     FAIL,
     PASS,
@@ -109,11 +109,11 @@ def report_alone(checks: list[Check], env: DistEnv, host: str, why: str) -> int:
 
 def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) -> int:
     """Check this process's part, gather every rank's rows, print the table on rank 0; 1 if anything failed."""
+    exits.started(None, phase="doctor")  # before anything can fail: a rank that never ends its record was killed
     cfg = config_mod.load(args)
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
     env, facts, info = discover(), host_facts(), job_info()
     host = facts.node
-    exits.started(env.rank, phase="doctor")
     checks = [check_versions(), check_gpus(cfg, env, facts, info), check_model_memory(cfg, env), check_master(env),
               check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
@@ -126,11 +126,20 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     return code
 
 
+NODE_CHECKS = {"gpus", "master", "container", "nccl transport", "fault"}
+"""Checks whose failure is the node's (no GPU visible, its name does not resolve, the image is missing there, its
+network): the verdict excludes it. Others fail on the configuration (``model memory``: ``resource``)."""
+
+
 def _record(rank: int, host: str, checks: list[Check], code: int) -> None:
-    """This rank's exit record for the batch shell's verdict: a check that failed here blames this node."""
+    """This rank's exit record for the batch shell's verdict: a node check that failed here blames this node."""
     mine = [c for c in checks if c.status == FAIL and c.name not in ("process group", "all-reduce")]
-    if mine:
-        info = exits.outcome(exits.INFRASTRUCTURE, f"doctor: {mine[0].name}: {mine[0].detail}", blame=[host])
+    node = [c for c in mine if c.name in NODE_CHECKS]
+    if node:
+        info = exits.outcome(exits.INFRASTRUCTURE, f"doctor: {node[0].name}: {node[0].detail}", blame=[host])
+    elif mine:
+        kind = exits.RESOURCE if mine[0].name == "model memory" else exits.USER_ERROR
+        info = exits.outcome(kind, f"doctor: {mine[0].name}: {mine[0].detail}")
     elif code:
         info = exits.outcome(exits.INFRASTRUCTURE, "doctor: a check failed on another rank", echo=True)
     else:
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (what `make doctor` does)")
     parser.add_argument("args", nargs="*", help="training overrides key=value (run.dir, tracking.mode, dist.backend …)")
     ns = parser.parse_args(argv)
-    return exit_code_of(lambda: _start(ns))
+    return recorded(lambda: _start(ns), phase="doctor")
 
 
 def _start(ns: argparse.Namespace) -> int:

@@ -127,13 +127,24 @@ class Heartbeat:
             if not report.exists():  # rank 0 could not report (dead, or stuck without releasing the GIL)
                 print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; "
                       f"stacks in {self.folder}", file=sys.stderr, flush=True)
-        stuck, whole = stuck_ranks(_beats(self.folder), world)
-        nodes = sorted({b.get("host", "?") for r, b in _beats(self.folder).items() if r in stuck}) if not whole else []
+        self._record_hang(silent)
+        os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
+
+    def _record_hang(self, silent: float) -> None:
+        """This rank's exit record for the verdict: the stuck ranks' nodes are blamed (none when all wait alike)."""
+        rank, world = self.env.rank, self.env.world_size
+        beats = _beats(self.folder)
+        stuck, whole = stuck_ranks(beats, world)
+        nodes = sorted({b.get("host", "?") for r, b in beats.items() if r in stuck}) if not whole else []
+        missing = [r for r in range(world) if r not in beats]
+        if missing:  # stuck holding the GIL (no beat written): the missing ones are stuck; their start records say where
+            path = exits.record_path(rank=rank)
+            where = {r.get("rank"): r.get("node") for r in exits.records(path.parent)} if path else {}
+            stuck, nodes = missing, sorted({str(where.get(r, "?")) for r in missing} - {"?"})
         cause = f"hang: no progress for {silent:.0f} s; " + (
             f"stuck rank(s) {', '.join(map(str, stuck))} on {', '.join(nodes)}" if nodes
             else "every rank waits in the same collective (network or NCCL)")
         exits.ended(EXIT_HANG, exits.outcome(exits.INFRASTRUCTURE, cause, blame=nodes), rank=rank, step=self.step)
-        os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
 
 
 def _beats(folder: Path) -> dict[int, dict[str, Any]]:

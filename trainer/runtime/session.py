@@ -354,6 +354,9 @@ class Session:
                              **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
             if info:  # recorded now: closing (W&B) may outlast srun's grace before its SIGKILL
                 exits.ended(1, info, rank=self.env.rank, step=self.step)
+            elif isinstance(code, int) and code not in (0, EXIT_REQUEUE):  # sys.exit(n) inside the session
+                exits.ended(code, exits.outcome(exits.USER_ERROR, f"sys.exit({code})"), rank=self.env.rank,
+                            step=self.step)
         self.close(exit_code=0 if kind is None else 1)
 
 
