@@ -116,8 +116,9 @@ def _without_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str
     killed = [s for s in srun if s[1] == "launch" or any(k in s[2] for k in KILLED)]
     if killed:
         node, tasks, how = killed[0]
-        ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node) or "?"
-        cause = f"{node}: {how}" if tasks == "launch" else f"rank {ranks} on {node} was killed (srun: task {tasks}: {how})"
+        ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node)
+        who = f"rank {ranks}" if ranks else f"task {tasks}"
+        cause = f"{node}: {how}" if tasks == "launch" else f"{who} on {node} was killed (srun: task {tasks}: {how})"
         return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step)
     if silent:  # no kill in srun's lines (torchrun's agent reports one as exit 1): blame only a single node
         where = sorted({str(r.get("node")) for r in silent})

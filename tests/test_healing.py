@@ -47,8 +47,9 @@ def events(run: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def kill_rank(job: str, rank: int, restart: int) -> str:
-    """SIGKILL the training process of ``rank`` in attempt ``restart`` of ``job``; return its Slurm node name."""
+def kill_rank(job: str, rank: int, restart: int, script: str | None = None) -> str:
+    """SIGKILL the training process of ``rank`` in attempt ``restart`` of ``job`` (``script``: the command's own
+    process, under `python -m trainer.launch`); return its Slurm node name."""
     for proc in Path("/proc").iterdir():
         try:
             env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
@@ -57,7 +58,7 @@ def kill_rank(job: str, rank: int, restart: int) -> str:
             continue
         if (env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(rank)
                 and int(env.get("SLURM_RESTART_COUNT") or 0) == restart and "python" in Path(argv[0]).name
-                and "-m" in argv and "cluster.verdict" not in argv):
+                and (argv[1:2] == [script] if script else "-m" in argv and "cluster.verdict" not in argv)):
             os.kill(int(proc.name), signal.SIGKILL)
             return env["SLURMD_NODENAME"]
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
@@ -187,3 +188,22 @@ def test_a_spare_node_takes_over_inside_the_allocation(slurm_env: dict[str, str]
     runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
     assert runs == ["COMPLETED"], runs  # one run of the job: no requeue
     assert excluded(job, env) == "(null)"
+
+
+def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    """CMD=: the command (a session script, examples/char_lm) dies of SIGKILL; its wrapper records the kill."""
+    run = tmp_path / "run"
+    script = str(ROOT / "examples" / "char_lm" / "train.py")
+    args = ["--max-steps", "40", "--max-bytes", "40000", "--batch-size", "8", "--sample", "0", "--eval-every", "1000",
+            "tracking.mode=disabled", "checkpoint.every_steps=5"]
+    env = {**slurm_env, **faults(step_delay_s=0.25), "RUN_DIR": str(run), "TRAINER_SUSPECTS": str(tmp_path / "s.json")}
+    job = submit(env, "sbatch", ["python", script, *args])
+    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
+    node = kill_rank(job, 1, 0, script)
+    wait_for(lambda: job_state(job, env) == "COMPLETED" and len(events(run, "attempt_end")) == 2, timeout=300,
+             what="the retried job to complete")
+    first, last = events(run, "attempt_end")
+    assert (first["class"], first["blamed"]) == ("infrastructure", [node]), first
+    assert "killed by SIGKILL" in first["cause"] and last["class"] == "finished", (first, last)
+    assert node in excluded(job, env)

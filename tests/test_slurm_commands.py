@@ -72,7 +72,8 @@ def test_the_char_lm_submitted_as_a_command_survives_two_preemptions_bit_identic
                  and (run / "config.yaml").exists(), timeout=180, what=f"attempt {attempt + 1} running")
         time.sleep(4)
         assert sh(["scancel", "--signal=USR2", job], slurm_env).returncode == 0
-        wait_for(lambda a=attempt: _log_count(log, "requeueing job") == a + 1, timeout=120, what=f"requeue {attempt + 1}")
+        wait_for(lambda a=attempt: _log_count(log, "-> preempted: requeue") == a + 1, timeout=120,
+                 what=f"requeue {attempt + 1}")
     wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the third attempt to finish")
     wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=60, what="COMPLETED")
     states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
