@@ -34,9 +34,9 @@ def parse_fields(line: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"([\w:/]+)=(.*?)(?= [\w:/]+=|$)", line)}
 
 
-def job_log(job: str) -> Path | None:
-    """The batch script's stderr file (where srun's own lines go)."""
-    path = job_fields(job).get("StdErr")
+def job_log(info: dict[str, str]) -> Path | None:
+    """The batch script's stderr file (where srun's own lines go), from the job's fields (:func:`job_fields`)."""
+    path = info.get("StdErr")
     return Path(path) if path else None
 
 
@@ -46,33 +46,32 @@ def hostnames(nodelist: str) -> list[str]:
     return out.split() if rc == 0 else nodelist.split(",")
 
 
-def excluded(job: str) -> list[str]:
+def excluded(info: dict[str, str]) -> list[str]:
     """The job's ExcNodeList, as node names (Slurm's ``(null)`` when empty)."""
-    value = job_fields(job).get("ExcNodeList", "(null)")
+    value = info.get("ExcNodeList", "(null)")
     return [] if value in ("(null)", "") else hostnames(value)
 
 
-def shortfall(job: str, blamed: list[str]) -> str | None:
-    """Why a requeue without ``blamed`` (and the nodes excluded already) could never start, or None when it can."""
-    info = job_fields(job)
+def shortfall(info: dict[str, str], avoid: list[str]) -> str | None:
+    """Why a requeue without ``avoid`` (blamed, and excluded already) could never start, or None when it can."""
     need, partition = int(info.get("NumNodes", "1").split("-")[0] or 1), info.get("Partition", "")
     rc, out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N %t")
     if rc:
         return None  # no view of the partition: let Slurm decide
-    avoid = set(blamed) | set(excluded(job))
+    gone = set(avoid)
     usable = {n for n, state in (line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
-              if n not in avoid and not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")}
+              if n not in gone and not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")}
     if len(usable) >= need:
         return None
-    return (f"requeueing without {', '.join(sorted(avoid))} leaves {len(usable)} usable node(s) in partition "
+    return (f"requeueing without {', '.join(sorted(gone))} leaves {len(usable)} usable node(s) in partition "
             f"{partition} for a job of {need}: failing instead of waiting forever (clear a node with "
             "`python -m cluster suspects --clear NODE` once it is fixed, and resubmit)")
 
 
-def requeue(job: str, blamed: list[str]) -> str | None:
-    """Requeue the job, then exclude ``blamed`` (with what it excluded before) from its next start; None when it is
-    requeued (a failed exclusion is only warned about), else why not."""
-    before = excluded(job) if blamed else []  # read first: after the requeue every moment counts (KillWait)
+def requeue(job: str, blamed: list[str], before: list[str]) -> str | None:
+    """Requeue the job, then exclude ``blamed`` with ``before`` (what it excluded already, read beforehand: after the
+    requeue every moment counts, KillWait) from its next start; None when it is requeued (a failed exclusion is only
+    warned about), else why not."""
     rc, out = _run("scontrol", "requeue", job)
     if rc:
         return f"scontrol requeue {job} failed: {out}"

@@ -80,7 +80,7 @@ def judge(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: i
     steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     step = max(steps) if steps else None
     ended = [r for r in records if r.get("code") is not None]
-    causes = [r for r in ended if r["code"] not in (0, EXIT_REQUEUE) and not r.get("echo")]
+    causes = [r for r in ended if exits.is_cause(r)]
     others = [r for r in records if r not in causes]
     if causes and all(c.get("aborted") for c in causes) and others and all(r.get("code") == 0 for r in others):
         ranks = ", ".join(str(c["rank"]) for c in causes)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         marker = (Path(ns.run_dir) / "requeue.json").exists()
         if (ns.rc == EXIT_REQUEUE or marker) and int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ns.max_requeues:
             print("verdict failed (above): requeueing the saved run by the plain rule", file=sys.stderr)
-            return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), []) is None else ns.rc
+            return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), [], []) is None else ns.rc
         return ns.rc or 1
 
 
@@ -193,7 +193,8 @@ def _verdict(ns: argparse.Namespace) -> int:
     run_dir, env = Path(ns.run_dir), os.environ
     job, restart = env.get("SLURM_JOB_ID", "0"), exits.attempt_id()
     records = [r for r in exits.records(run_dir / "exits" / exits.attempt_folder()) if r.get("phase") == ns.phase]
-    v = judge(records, srun_failures(nodes.job_log(job), restart, job), ns.rc, (run_dir / "requeue.json").exists())
+    info = nodes.job_fields(job)  # read once: the log, the nodes it excludes already, its size and partition
+    v = judge(records, srun_failures(nodes.job_log(info), restart, job), ns.rc, (run_dir / "requeue.json").exists())
     nodes_seen = {r.get("node") for r in records}
     if ns.phase == "doctor" and v.kind == exits.INFRASTRUCTURE and len(nodes_seen) > 1 and nodes_seen <= set(v.blame):
         v = Verdict(exits.USER_ERROR, f"{v.cause}; it fails on every node: the setup's, not a node's", step=v.step)
@@ -208,6 +209,7 @@ def _verdict(ns: argparse.Namespace) -> int:
     if action == "requeue" and int(env.get("SLURM_RESTART_COUNT") or 0) >= ns.max_requeues + ns.max_failures:
         action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
     avoid = sorted({n for n in [*ns.avoid.split(","), *v.blame] if n})
+    already = nodes.excluded(info) if avoid and action == "requeue" else []
     if action == "requeue" and v.blame:
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause)
         left = spare(env.get("SLURM_JOB_NODELIST", ""), ns.need, avoid)
@@ -215,11 +217,11 @@ def _verdict(ns: argparse.Namespace) -> int:
             _record(run_dir, ns.phase, restart, job, v, "restart_here", f"{why} here, on {left}")
             print(f"restart-here: {','.join(avoid)}", flush=True)
             return 0
-        short = nodes.shortfall(job, avoid)
+        short = nodes.shortfall(info, [*avoid, *already])
         if short:
             action, why = "fail", f"{why}, but {short}"
     if action == "requeue":
-        problem = nodes.requeue(job, avoid)
+        problem = nodes.requeue(job, avoid, already)
         if problem is None:
             _record(run_dir, ns.phase, restart, job, v, action, why)
             return 0

@@ -28,7 +28,7 @@ from types import FrameType
 
 from trainer.core import exits
 from trainer.core.env import DistEnv, discover, job_info, torchrun_environ
-from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of
+from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of, record_end
 from trainer.core.files import write_atomic
 
 STOP_WAIT_S = 10.0
@@ -142,16 +142,14 @@ def _record(rank: int, rc: int) -> None:
             return
     except (OSError, ValueError):
         pass
-    if rc < 0 and -rc in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
-        info = exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(-rc).name})",
-                             aborted=-rc == signal.SIGABRT)
-    elif rc < 0:  # TERM/INT come from srun ending the step or from scancel: echoes; KILL, BUS … the node's
-        info = exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}",
-                             echo=-rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
-    else:
-        kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(rc, exits.USER_ERROR)
-        info = exits.outcome(kind, f"the command exited {rc}")
-    exits.ended(rc if rc >= 0 else 128 - rc, info, rank=rank)
+    if rc >= 0:
+        record_end(rc, rank=rank, cause=f"the command exited {rc}")
+    elif -rc in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
+        exits.ended(128 - rc, exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(-rc).name})",
+                                            aborted=-rc == signal.SIGABRT), rank=rank)
+    else:  # TERM/INT come from srun ending the step or from scancel: echoes; KILL, BUS … the node's
+        exits.ended(128 - rc, exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}",
+                                            echo=-rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)), rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:

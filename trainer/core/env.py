@@ -1,4 +1,5 @@
-"""Where this process sits in the job: the only module that reads rank variables.
+"""Where this process sits in the job: the only module that reads rank variables (but for core/exits.py, which names
+its exit record by rank with the standard library alone, so that the host's python3 can read it).
 
 torchrun's variables win over Slurm's, Slurm's over a lone process. Nothing here writes
 ``os.environ``: the result is a frozen :class:`DistEnv` that the rest of the trainer passes around.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +16,7 @@ from typing import Literal
 import hostlist
 
 from trainer.core.errors import UserError
+from trainer.core.exits import node_name
 
 Source = Literal["torchrun", "slurm", "single"]
 
@@ -127,7 +128,7 @@ def host_facts(environ: Mapping[str, str] | None = None, root: str = "/") -> Hos
     elif os.path.exists(os.path.join(root, "run", ".containerenv")):
         container = "podman"
     return HostFacts(cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), container=container,
-                     node=env.get("SLURMD_NODENAME") or socket.gethostname())
+                     node=node_name(env))
 
 
 def fault_spec(environ: Mapping[str, str] | None = None) -> str:

@@ -70,11 +70,11 @@ def recorded(fn: Callable[[], int], phase: str = "train") -> int:
     return code
 
 
-def record_end(code: int, phase: str = "train") -> None:
+def record_end(code: int, phase: str = "train", rank: int | None = None, cause: str | None = None) -> None:
     """Record a process that returned ``code``: 0 finished, 75 saved for a requeue, 2 bad input, else its error."""
     kind = {0: exits.FINISHED, EXIT_REQUEUE: exits.PREEMPTED}.get(code, exits.USER_ERROR)
-    exits.ended(code, exits.outcome(kind, "bad input (its error: and HINT: are in the log)" if code == EXIT_BAD_INPUT
-                                    else f"exit {code}"), phase=phase)
+    cause = cause or ("bad input (its error: and HINT: are in the log)" if code == EXIT_BAD_INPUT else f"exit {code}")
+    exits.ended(code, exits.outcome(kind, cause), phase=phase, rank=rank)
 
 
 def record_failure(exc: BaseException, phase: str = "train") -> dict[str, object]:

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,9 @@ EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "
 _written: dict[str, bool] = {}
 
 
-def node_name() -> str:
+def node_name(environ: Mapping[str, str] | None = None) -> str:
     """Slurm's name for this node (SLURMD_NODENAME), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return (os.environ if environ is None else environ).get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def attempt_id() -> str:
@@ -155,11 +156,15 @@ def describe(record: dict[str, Any]) -> str:
     return f"rank {record.get('rank')} on {record.get('node')}: {record.get('cause')}{where}"
 
 
+def is_cause(record: dict[str, Any]) -> bool:
+    """Whether a record tells of a failure of its own: ended, neither finished nor saved (75), and no echo."""
+    return record.get("code") not in (None, 0, 75) and not record.get("echo")
+
+
 def first_failure() -> str | None:
     """For a rank that lost its peer: the failure another rank of this attempt recorded first, if any yet."""
     path = record_path()
     if path is None:
         return None
-    failed = [r for r in records(path.parent)
-              if r.get("code") not in (None, 0, 75) and not r.get("echo") and r.get("pid") != os.getpid()]
+    failed = [r for r in records(path.parent) if is_cause(r) and r.get("pid") != os.getpid()]
     return f"stopped because {describe(min(failed, key=lambda r: r['t']))}" if failed else None
