@@ -31,8 +31,10 @@ def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.d
                             f"processes (about 1/{env.world_size} each here; more GPUs, less each)")
     else:
         key, where = "data.batch_size", f"rank {env.rank}, step {step}, epoch {epoch}"
-        hints = [f"halve the batch and keep the global batch: data.batch_size={max(1, b // 2)} "
-                 f"optim.grad_accum={accum * 2}"]
+        hints = [f"halve the micro-batch: data.batch_size={max(1, b // 2)} (the global batch of "
+                 f"data.global_batch_size={cfg.data.global_batch_size} stays: the accumulation doubles)"
+                 if cfg.data.global_batch_size else f"halve the batch and keep the global batch: "
+                 f"data.batch_size={max(1, b // 2)} optim.grad_accum={accum * 2}"]
         if cfg.train.precision == "fp32":
             hints.append("train.precision=bf16 (about half the activation memory)")
         hints += ["dist.strategy=fsdp dist.activation_checkpointing=true (activations recomputed per block; "

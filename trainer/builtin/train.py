@@ -68,7 +68,8 @@ class Trainer:
         # In-memory sets need no workers; iterable sets load in-process, so that a Stateful set's position is the
         # loader's (workers would hold copies).
         kw = {"num_workers": _workers(cfg, sess, isinstance(data.train, InMemory) or data.iterable)}
-        self.loader = sess.loader(data.train, cfg.data.batch_size, **kw)
+        self.loader = sess.loader(data.train, cfg.data.batch_size, cfg.data.global_batch_size or None, **kw)
+        self.accumulation = self.loader.accumulation if cfg.data.global_batch_size else cfg.optim.grad_accum
         self.eval_loader = None if data.test is None else sess.eval_loader(data.test, cfg.data.batch_size, **kw)
         self.net = sess.wrap(parts.model)  # the optimizer holds the same parameters as the unwrapped model
         self.model: nn.Module = parts.model  # under fsdp the same module as self.net
@@ -83,7 +84,7 @@ class Trainer:
         if data.iterable:  # no length: train.max_steps (required) decides
             self.total_steps = cfg.train.max_steps
         else:
-            self.total_steps = math.ceil(len(self.loader) / o.grad_accum) * cfg.train.epochs
+            self.total_steps = math.ceil(len(self.loader) / self.accumulation) * cfg.train.epochs
             self.total_steps = min(self.total_steps, cfg.train.max_steps or self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(enabled=cfg.train.precision == "fp16")
@@ -173,7 +174,7 @@ class Trainer:
 
     def _fit(self) -> int:
         sess, cfg, env = self.sess, self.cfg, self.sess.env
-        global_batch = cfg.data.batch_size * env.world_size * cfg.optim.grad_accum
+        global_batch = self.loader.batch_size * env.world_size * self.accumulation
         sess.print(f"run {sess.run_dir} | {env.world_size} process(es) via {env.source} on {sess.device.type} | "
                    f"{self.record['model']['target']} on {self.record['data']['target']} | global batch {global_batch} "
                    f"| {self.total_steps} steps")
@@ -184,9 +185,9 @@ class Trainer:
         scored_at = -1
         batches = self.loader.forever()
         self.net.train()
-        for step in sess.steps(sess.step, self.total_steps):
+        for step in sess.steps(sess.step, self.last_step()):
             epoch = self.loader.epoch
-            self.train_window(batches, min(cfg.optim.grad_accum, self.loader.remaining()))
+            self.train_window(batches, min(self.accumulation, self.loader.remaining()))
             if first_step_at is None:
                 first_step_at = time.time()
             self.report(bar, step)
@@ -215,6 +216,14 @@ class Trainer:
         code = sess.finish(self.result(scores, train_time, first_step_at))
         sess.print(f"done: {self.summary(scores)}; checkpoint {sess.last_path}")
         return code
+
+    def last_step(self) -> int:
+        """The step to train to: none further when the resumed run had finished its epochs (on any world size)."""
+        if self.sess.resumed and not self.loader.iterable and self.loader.epoch >= self.cfg.train.epochs:
+            self.sess.print(f"the run finished its {self.cfg.train.epochs} epoch(s) at step {self.sess.step}: "
+                            "no step to train")
+            return self.sess.step
+        return self.total_steps
 
     def result(self, scores: dict[str, float], train_time: float, first_step_at: float | None) -> dict[str, Any]:
         """What result.json holds besides the session's own fields."""
@@ -291,8 +300,12 @@ def fit(cfg: Config) -> dict[str, Any]:
 
 def notes(cfg: Config, env: DistEnv, state: dict[str, Any], record: dict[str, Any]) -> None:
     """Say what differs from the run that wrote the checkpoint: training goes on, but not as it would have."""
-    for group, key in (("data", "name"), ("data", "batch_size"), ("optim", "grad_accum"), ("train", "seed")):
-        was, now = state["config"][group][key], getattr(getattr(cfg, group), key)
+    # With a global batch, the micro-batch and the accumulation are how this world size splits it, not a change.
+    keys = [("data", "name"), ("data", "global_batch_size"), ("train", "seed")]
+    if not cfg.data.global_batch_size:
+        keys[1:1] = [("data", "batch_size"), ("optim", "grad_accum")]
+    for group, key in keys:
+        was, now = state["config"][group].get(key, 0), getattr(getattr(cfg, group), key)
         if was != now:
             say(env, f"note: {group}.{key} was {was!r} in the checkpoint, now {now!r}: training continues, "
                      "but not as the original run would")

@@ -109,8 +109,9 @@ def collect(objects: dict[str, Any], sharded: bool) -> tuple[dict[str, Any], dic
 
 
 def restore_objects(resumed: Resumed, objects: dict[str, Any], env: DistEnv, model: nn.Module | None,
-                    say: Callable[[str], None]) -> None:
-    """Collective: load every object from the chosen checkpoint (a sharded one resharded onto this world size)."""
+                    say: Callable[[str], None], exact: bool = False) -> None:
+    """Collective: load every object from the chosen checkpoint (a sharded one resharded onto this world size);
+    ``exact``: the loaders continue with the same global batches on any world size (said when it changed)."""
     state = resumed.state
     if state.get("version") != STATE_VERSION:
         raise UserError("checkpoint.resume", f"{resumed.path} has layout {state.get('version')!r}, this version "
@@ -138,13 +139,28 @@ def restore_objects(resumed: Resumed, objects: dict[str, Any], env: DistEnv, mod
                 load_into(obj.obj, state[name][env.rank])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             _misfit(resumed, state, name, exc)
-    if same:
+    old = int(state["world_size"])
+    if env.rank < old:  # a rank that existed continues its own random stream; a new one keeps the seed's
         set_rng_state(state["rng"][env.rank])
-    else:
-        per_rank = [n for n, o in objects.items() if isinstance(o, PerRank)]
-        say(f"note: checkpoint was written by {state['world_size']} processes, now {env.world_size}: training "
-            "continues after the samples already seen (to within one batch), but not bit-exactly"
-            + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else ""))
+    if not same:
+        say(world_note(old, env.world_size, exact, [n for n, o in objects.items() if isinstance(o, PerRank)], model))
+
+
+def world_note(old: int, new: int, exact: bool, per_rank: list[str], model: nn.Module | None) -> str:
+    """One line on resuming onto another number of processes: what continues exactly and what does not."""
+    if not exact:
+        return (f"note: checkpoint was written by {old} processes, now {new}: training continues after the samples "
+                "already seen (to within one batch), but with another global batch; set data.global_batch_size "
+                "(own loop: sess.loader(..., global_batch_size=N)) to keep it"
+                + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else ""))
+    streams = (f"ranks {old}-{new - 1} start random streams from the seed" if new > old else
+               f"the random streams of ranks {new}-{old - 1} end")
+    norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) if model else 0
+    return (f"note: checkpoint was written by {old} processes, now {new}: the same global batches continue, step "
+            f"by step (sums may differ in the last bits: another reduction order); {streams}"
+            + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else "")
+            + (f"; not exact for this model: its {norms} BatchNorm layer(s) take statistics over each process's "
+               "micro-batch, which the split changes" if norms else ""))
 
 
 def _misfit(resumed: Resumed, state: dict[str, Any], name: str, exc: BaseException) -> None:

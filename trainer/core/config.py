@@ -34,7 +34,12 @@ class DataConfig:
     root: str | None = None
     """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
     batch_size: int = 32
-    """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum."""
+    """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum. With
+    data.global_batch_size set: the most samples a process runs at once (the micro-batch is derived)."""
+    global_batch_size: int = 0
+    """Samples per optimizer step, whatever the number of processes (0: batch_size × processes × grad_accum):
+    gradient accumulation is derived at start-up, so a run resumed on another world size trains on the same
+    global batches, step by step (map-style sets; the last partial global batch of each epoch is dropped)."""
     num_workers: int = -1
     """DataLoader worker processes per rank; 0 loads in the training process; -1 (auto): 0 for the in-memory
     synthetic set, else up to 4, leaving each process's share of cores one core to compute on."""
@@ -222,7 +227,7 @@ POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test
             "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
 NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
                 "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
-                "train.max_steps", "train.eval_every")
+                "train.max_steps", "train.eval_every", "data.global_batch_size")
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -335,6 +340,10 @@ def validate(cfg: Config) -> None:
         v = _get(cfg, key)
         if not (v >= 0 and math.isfinite(v)):
             raise _err(key, f"must be >= 0, got {v}", f"pass zero or a positive number, e.g. {key}=0")
+    if cfg.data.global_batch_size and cfg.optim.grad_accum != 1:
+        raise _err("optim.grad_accum", f"is {cfg.optim.grad_accum}, but with data.global_batch_size the accumulation is "
+                   "derived from the world size at start-up", "leave optim.grad_accum out (data.batch_size caps the "
+                   "micro-batch)")
     if cfg.data.num_workers < -1:
         raise _err("data.num_workers", f"must be >= -1, got {cfg.data.num_workers}", "-1 (auto), 0, or a count")
     if cfg.data.name != "synthetic" and not cfg.data.root and not cfg.data.target:

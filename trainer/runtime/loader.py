@@ -11,7 +11,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from trainer.core.env import DistEnv
-from trainer.runtime.samplers import ResumableSampler, ShardSampler
+from trainer.core.errors import UserError
+from trainer.runtime.batches import BatchPlan
+from trainer.runtime.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler
 
 
 class InMemory(TensorDataset):
@@ -52,22 +54,42 @@ class Loader:
     """Batches of a data set for this rank, with its position as state (``state_dict``/``load_state_dict``).
 
     Map-style sets are shuffled per epoch by a sampler whose order depends only on (seed, epoch), so a resumed
-    run continues with exactly the batches the uninterrupted run would have seen. Iterable sets read their own
-    share on each rank (the set decides), and resume through their own state, if any.
+    run continues with exactly the batches the uninterrupted run would have seen. With a ``plan`` (a global batch)
+    each optimizer step takes the same samples whatever the number of processes, so that holds on another world size
+    too. Iterable sets read their own share on each rank (the set decides), and resume through their own state, if any.
     """
 
-    def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, **kwargs: Any) -> None:
-        self.dataset, self.batch_size, self.world_size = dataset, batch_size, env.world_size
+    def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, plan: BatchPlan | None = None,
+                 **kwargs: Any) -> None:
+        self.plan, self.world_size = plan, env.world_size
+        self.dataset, self.batch_size = dataset, plan.micro if plan else batch_size
         self.iterable = isinstance(dataset, IterableDataset)
-        self.sampler = None if self.iterable else ResumableSampler(dataset, env, seed)
-        self.loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
+        self.sampler: ResumableSampler | GlobalBatchSampler | None = None
+        if self.iterable:
+            self.loader: DataLoader[Any] = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
+        elif plan is None:
+            self.sampler = ResumableSampler(dataset, env, seed)
+            self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
+        else:
+            self.sampler = GlobalBatchSampler(len(dataset), plan, env.rank, seed)  # type: ignore[arg-type]
+            if not self.sampler.steps_per_epoch:
+                raise UserError("data.global_batch_size", f"{plan.global_batch} is more than the {len(dataset)} "  # type: ignore[arg-type]
+                                "samples of the training set", "use a smaller global batch")
+            self.loader = DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
         self.epoch = 0
         """Epochs finished; it moves on as the last batch of an epoch is handed out."""
         self.position = 0
         """Batches of this epoch this rank has handed out."""
 
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step the global batch asks for (1 without one)."""
+        return self.plan.accumulation if self.plan else 1
+
     def __len__(self) -> int:
         """Batches per epoch on this rank (map-style sets only)."""
+        if isinstance(self.sampler, GlobalBatchSampler):
+            return self.sampler.steps_per_epoch * self.accumulation
         if self.sampler is None:
             raise TypeError("an iterable data set has no length")
         return -(-self.sampler.num_samples // self.batch_size) if not self.loader.drop_last else \
@@ -79,7 +101,9 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch."""
-        if self.sampler is not None:
+        if isinstance(self.sampler, GlobalBatchSampler):
+            self.sampler.start_epoch(self.epoch, self.position)
+        elif self.sampler is not None:
             self.sampler.start_epoch(self.epoch, self.position * self.batch_size)
         left = self.remaining()
         for i, batch in enumerate(self.loader):
@@ -101,15 +125,22 @@ class Loader:
                 raise ValueError("the training set yields no batches on this rank")
 
     def state_dict(self) -> dict[str, int]:
+        """The position, and as ``samples`` the samples of this epoch consumed by all ranks together."""
         return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "samples": self.position * self.batch_size * self.world_size,
+                "global_batch_size": self.plan.global_batch if self.plan else 0}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where ``state`` left off; with another world size or batch size, after the samples already seen."""
+        """Continue where ``state`` left off: exactly with the same global batch (on any world size), else after the
+        samples already seen (to within one batch)."""
         self.epoch, self.position = state["epoch"], state["position"]
         if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
-            consumed = state["position"] * state["batch_size"] * state["world_size"]
+            consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
             self.position = consumed // (self.batch_size * self.world_size)
+
+    def exact_after(self, state: dict[str, int]) -> bool:
+        """Whether resuming from ``state`` continues with the very global batches the saving run had next."""
+        return self.plan is not None and not self.iterable and state.get("global_batch_size") == self.plan.global_batch
 
 
 def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:

@@ -1,13 +1,16 @@
-"""Samplers a loader resumes from: the training set's (exact resume) and an evaluation set's (disjoint shards)."""
+"""Samplers a loader resumes from: the training set's (exact resume; per rank or by global batch) and an evaluation
+set's (disjoint shards)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from trainer.core.env import DistEnv
+from trainer.runtime.batches import BatchPlan
 
 
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -31,6 +34,39 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches of each global batch: the epoch's order is a function of (seed, epoch) alone, global
+    batch k is its k-th slice of ``plan.global_batch`` samples, and rank r takes the r-th equal part of it. So any
+    number of processes that can share the global batch trains on the same samples at every optimizer step, and a
+    position is a count of global samples. The last partial global batch of an epoch is dropped (no padding)."""
+
+    def __init__(self, n: int, plan: BatchPlan, rank: int, seed: int) -> None:
+        self.n, self.plan, self.rank, self.seed = n, plan, rank, seed
+        self.steps_per_epoch = n // plan.global_batch
+        self.epoch, self.skip = 0, 0
+
+    def start_epoch(self, epoch: int, skip_micro: int = 0) -> None:
+        """Call before each epoch: its order, and this rank's first ``skip_micro`` micro-batches skipped."""
+        self.epoch, self.skip = epoch, skip_micro
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's sample order (DistributedSampler's: a permutation seeded with seed + epoch)."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order, p = self.order(self.epoch), self.plan
+        share = p.micro * p.accumulation
+        for k in range(self.skip, self.steps_per_epoch * p.accumulation):
+            step, i = divmod(k, p.accumulation)
+            start = step * p.global_batch + self.rank * share + i * p.micro
+            yield order[start:start + p.micro]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.plan.accumulation - self.skip
 
 
 class ShardSampler(Sampler[int]):

@@ -52,6 +52,7 @@ from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.runtime import attempts
+from trainer.runtime.batches import plan
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
@@ -176,9 +177,15 @@ class Session:
         so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
         return eval_batches(self.model, loader, self.device)
 
-    def loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> Loader:
-        """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``)."""
-        made = Loader(dataset, self.env, batch_size, self.cfg.train.seed,
+    def loader(self, dataset: Dataset[Any], batch_size: int, global_batch_size: int | None = None,
+               **kwargs: Any) -> Loader:
+        """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``). With
+        ``global_batch_size``, ``batch_size`` caps the micro-batch and ``loader.accumulation`` micro-batches make one
+        optimizer step of the same samples on any number of processes."""
+        planned = plan(global_batch_size, self.env.world_size, batch_size) if global_batch_size else None
+        if planned:
+            self.print(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch)")
+        made = Loader(dataset, self.env, batch_size, self.cfg.train.seed, planned,
                       **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
         self.loaders.append(made.loader)
         return made
@@ -205,7 +212,9 @@ class Session:
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None
         if self.resumed:
-            restore_objects(self.resumed, objects, self.env, self.model, self.print)
+            loaders = {n: o for n, o in objects.items() if isinstance(o, Loader)}
+            exact = bool(loaders) and all(o.exact_after(self.resumed.state.get(n, {})) for n, o in loaders.items())
+            restore_objects(self.resumed, objects, self.env, self.model, self.print, exact)
             self.step = int(self.resumed.state["step"])
             run_id = self.resumed.state.get("tracking", {}).get("run_id")
         self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)

@@ -1,0 +1,153 @@
+"""Elastic resume: the global batch is the contract, the sample cursor is global, a run cut into attempts on
+different numbers of processes trains on the uninterrupted run's samples, step by step (real processes, gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+from trainer.runtime.batches import check_worlds, plan
+from trainer.runtime.loader import Loader
+from trainer.runtime.samplers import GlobalBatchSampler
+
+from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
+
+LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
+
+
+def env_of(rank: int, world: int) -> DistEnv:
+    return DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 29500, None, "torchrun")
+
+
+@pytest.mark.parametrize(("global_batch", "world", "cap", "micro", "accumulation"), [
+    (64, 2, 32, 32, 1),
+    (64, 1, 32, 32, 2),
+    (64, 4, 32, 16, 1),   # the cap is an upper bound: fewer samples per process when more share the batch
+    (48, 1, 20, 16, 3),   # 48 in micro-batches of at most 20: three equal ones (two of 24 would not fit)
+    (30, 3, 4, 2, 5),     # 10 per process, at most 4 at once: 5 × 2 (4 + 4 + 2 would weigh samples unequally)
+    (7, 7, 1, 1, 1),
+])
+def test_the_plan_splits_the_global_batch_into_equal_micro_batches(global_batch: int, world: int, cap: int,
+                                                                   micro: int, accumulation: int) -> None:
+    p = plan(global_batch, world, cap)
+    assert (p.micro, p.accumulation) == (micro, accumulation)
+    assert p.micro * p.accumulation * p.world_size == global_batch and p.micro <= cap
+
+
+def test_a_global_batch_the_processes_cannot_share_names_the_numbers_and_a_fix() -> None:
+    with pytest.raises(UserError) as info:
+        plan(63, 2, 32)
+    assert info.value.field == "data.global_batch_size"
+    assert "63 samples per step do not split equally across 2 processes" in info.value.message
+    assert "data.global_batch_size=64" in info.value.hint and "run on" in info.value.hint
+    with pytest.raises(UserError) as info:
+        check_worlds(96, [4, 5, 6, 7, 8], 32)  # a node range: every world size it may start with
+    assert "across 5 processes" in info.value.message and "4-8" in info.value.message
+    check_worlds(96, [2, 4, 6, 8], 32)
+
+
+def _steps(world: int, global_batch: int = 12, cap: int = 4, n: int = 50, epoch: int = 1) -> list[list[int]]:
+    """Every optimizer step of an epoch as the sorted global sample ids all ranks of ``world`` take together."""
+    p = plan(global_batch, world, cap)
+    ranks = []
+    for r in range(world):
+        s = GlobalBatchSampler(n, p, r, seed=3)
+        s.start_epoch(epoch)
+        ranks.append(list(s))
+    return [sorted(i for r in ranks for micro in r[k * p.accumulation:(k + 1) * p.accumulation] for i in micro)
+            for k in range(n // global_batch)]
+
+
+def test_every_world_size_takes_the_same_samples_at_every_step() -> None:
+    one = _steps(1)
+    assert len(one) == 4 and all(len(step) == 12 for step in one)
+    assert len({i for step in one for i in step}) == 48  # no sample twice; the last partial batch (2) is dropped
+    for world in (2, 3, 4, 6, 12):
+        assert _steps(world) == one, world
+    assert _steps(2, epoch=2) != one  # another epoch, another order
+
+
+def test_a_position_saved_on_two_processes_continues_exactly_on_three() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(50))
+    two = [Loader(data, env_of(r, 2), 4, 3, plan(12, 2, 4)) for r in range(2)]
+    for loader in two:
+        it = iter(loader)
+        for _ in range(2 * loader.accumulation):  # two optimizer steps
+            next(it)
+    state = two[0].state_dict()
+    assert state["samples"] == 24 and state["global_batch_size"] == 12
+    three = [Loader(data, env_of(r, 3), 4, 3, plan(12, 3, 4)) for r in range(3)]
+    for loader in three:
+        assert loader.exact_after(state)
+        loader.load_state_dict(state)
+    rest = [[int(i) for (b,) in loader for i in b] for loader in three]
+    assert sorted(sum(rest, [])) == sorted(sum(_steps(1, n=50, epoch=0)[2:], []))
+    assert all(loader.epoch == 1 and loader.position == 0 for loader in three)
+
+
+def _trace(run: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run / "trace.jsonl").read_text().splitlines()]
+
+
+def _ranks(args: list[str], tmp: Path, world: int, code: int, **fault: int) -> str:
+    """Run the elastic loop on ``world`` processes (srun-style); every rank exits ``code``."""
+    procs = spawn_ranks(args, tmp, world, faults(**fault) if fault else None, script=LOOP)
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [code] * world, "\n".join(outs)
+    return outs[0]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_resumed_on_1_then_2_processes_trains_the_uninterrupted_runs_samples(tmp_path: Path,
+                                                                                  strategy: str) -> None:
+    common = [f"dist.strategy={strategy}", "checkpoint.poll_steps=1", "tracking.mode=disabled", "train.device=cpu"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _ranks([*common, f"run.dir={ref}"], tmp_path, 2, 0)
+    first = _ranks([*common, f"run.dir={run}"], tmp_path, 2, 75, preempt_at_step=6)
+    assert "global batch 24 = 2 process(es) × 6 samples × 2 accumulation step(s)" in first
+    second = _ranks([*common, f"run.dir={run}"], tmp_path, 1, 75, preempt_at_step=9)
+    assert "global batch 24 = 1 process(es) × 6 samples × 4 accumulation step(s)" in second
+    assert "written by 2 processes, now 1: the same global batches continue" in second
+    third = _ranks([*common, f"run.dir={run}"], tmp_path, 2, 0)
+    assert "written by 1 processes, now 2: the same global batches continue" in third
+    steps = [t["step"] for t in _trace(run)]
+    assert steps == list(range(1, 31)), steps  # 7 steps on 2, 10 on 1, 13 on 2: none twice, none lost
+    assert _trace(run) == _trace(ref)
+    a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+
+
+BUILTIN = [*SMALL, "data.global_batch_size=64", "checkpoint.poll_steps=1", "train.epochs=2"]
+
+
+def test_the_built_in_trainer_resumed_on_another_world_size_ends_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([*BUILTIN, f"run.dir={ref}"], tmp_path, nproc=2))
+    proc = run_trainer([*BUILTIN, f"run.dir={run}"], tmp_path, nproc=2, env=faults(preempt_at_step=9))
+    assert proc.returncode != 0 and (run / "checkpoints" / "step_00000010.pt").exists(), proc.stdout + proc.stderr
+    resumed = ok(run_trainer([*BUILTIN, f"run.dir={run}"], tmp_path, nproc=1))
+    assert "global batch 64 = 1 process(es) × 32 samples × 2 accumulation step(s)" in resumed.stdout
+    assert result_of(run)["global_step"] == result_of(ref)["global_step"] == 32  # 1024 // 64 × 2 epochs
+    a, b = (torch.load(result_of(r)["checkpoint"], weights_only=True)["model"] for r in (ref, run))
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    assert abs(result_of(run)["test_loss"] - result_of(ref)["test_loss"]) < 1e-4
+    # Finished: resumed on yet another world size, it trains no step and says so.
+    again = ok(run_trainer([*BUILTIN, f"run.dir={run}"], tmp_path, nproc=2))
+    assert "finished its 2 epoch(s) at step 32: no step to train" in again.stdout
+    assert result_of(run)["global_step"] == 32
+
+
+def test_a_global_batch_the_world_size_cannot_split_exits_2_before_training(tmp_path: Path) -> None:
+    out = _ranks(["train.device=cpu", f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled"], tmp_path, 2, 0)
+    assert "global batch 24" in out  # the script's own global batch splits; now one that does not:
+    procs = spawn_ranks([*SMALL, "data.global_batch_size=63", f"run.dir={tmp_path / 'odd'}"], tmp_path, 2)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert "error: data.global_batch_size: 63 samples per step do not split equally across 2 processes" in outs[0]
+    assert "HINT: use a multiple of 2 (e.g. data.global_batch_size=64)" in outs[0]
+    assert "Traceback" not in outs[0] and not (tmp_path / "odd" / "checkpoints").exists()

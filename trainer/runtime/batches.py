@@ -1,0 +1,54 @@
+"""The global batch as the contract: how a number of processes splits it into micro-batches and accumulation steps.
+
+No torch here: `python -m cluster submit` checks a global batch against every world size of a node range with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One optimizer step: ``global_batch`` samples = ``world_size`` processes × ``micro`` × ``accumulation``."""
+
+    global_batch: int
+    world_size: int
+    micro: int
+    """Samples per process per micro-batch."""
+    accumulation: int
+    """Micro-batches per optimizer step (gradients are reduced on the last one)."""
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = {self.world_size} process(es) × {self.micro} samples × "
+                f"{self.accumulation} accumulation step(s)")
+
+
+def plan(global_batch: int, world_size: int, max_micro: int, field: str = "data.global_batch_size") -> BatchPlan:
+    """Split ``global_batch`` over ``world_size`` processes in the fewest micro-batches of at most ``max_micro``
+    samples each; a UserError naming ``field`` when the processes cannot share it equally."""
+    if global_batch % world_size:
+        fits = [w for w in range(1, min(global_batch, 4 * world_size) + 1) if global_batch % w == 0]
+        raise UserError(field, f"{global_batch} samples per step do not split equally across {world_size} processes",
+                        f"use a multiple of {world_size} (e.g. {field}={math.ceil(global_batch / world_size) * world_size}), "
+                        f"or run on {', '.join(map(str, fits[-6:]))} processes")
+    share = global_batch // world_size
+    accumulation = math.ceil(share / max_micro)
+    while share % accumulation:  # equal micro-batches: a mean of means is then the mean of the global batch
+        accumulation += 1
+    return BatchPlan(global_batch, world_size, share // accumulation, accumulation)
+
+
+def check_worlds(global_batch: int, worlds: list[int], max_micro: int, field: str = "data.global_batch_size") -> None:
+    """Every world size in ``worlds`` can share ``global_batch`` (a node range, checked at submit time)."""
+    for world in worlds:
+        try:
+            plan(global_batch, world, max_micro, field)
+        except UserError as exc:
+            if len(worlds) > 1:
+                raise UserError(field, f"{exc.message}, one of the world sizes {worlds[0]}-{worlds[-1]} this job may "
+                                "start with", exc.hint) from None
+            raise
