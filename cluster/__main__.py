@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", help="submit training (or any command: -- CMD ARGS…) to Slurm")
     s.add_argument("--cluster", default="dev", help="profile name in cluster/profiles, or a YAML path")
-    s.add_argument("--nodes", type=int, help="override the profile's node count")
+    s.add_argument("--nodes", help="override the profile's node count: N, or MIN-MAX for a job that may start smaller")
     s.add_argument("--launcher", default="submitit", help="submitit (default) or sbatch")
     s.add_argument("--dry-run", action="store_true", help="print the exact script; submit nothing")
     s.add_argument("--wait", action="store_true", help="wait for the job and print its result")
@@ -70,8 +70,16 @@ def _dispatch(ns: argparse.Namespace) -> int:
         print(render_sbatch(p, "python", [], origin, command=Command(()) if ns.command_template else None), end="")
         return 0
     if ns.nodes is not None:
-        overrides["nodes"] = ns.nodes
+        overrides.update(node_range(ns.nodes))
     return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
+
+
+def node_range(text: str) -> dict[str, object]:
+    """``--nodes`` as profile keys: ``N`` (exactly), ``MIN-MAX`` (a range: min_nodes and nodes)."""
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and (high.isdigit() or not _)):
+        raise UserError("NODES", f"{text!r} is neither a node count nor a range", "e.g. NODES=2, or NODES=1-2")
+    return {"nodes": int(high or low), "min_nodes": int(low) if high else 0}
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ def excluded(info: dict[str, str]) -> list[str]:
     return [] if value in ("(null)", "") else hostnames(value)
 
 
-def shortfall(info: dict[str, str], avoid: list[str]) -> str | None:
-    """Why a requeue without ``avoid`` (blamed, and excluded already) could never start, or None when it can."""
-    need, partition = int(info.get("NumNodes", "1").split("-")[0] or 1), info.get("Partition", "")
+def shortfall(info: dict[str, str], avoid: list[str], least: int = 0) -> str | None:
+    """Why a requeue without ``avoid`` (blamed, and excluded already) could never start, or None when it can;
+    ``least``: the fewest nodes of a node range (a running job's NumNodes is what it got)."""
+    need, partition = least or int(info.get("NumNodes", "1").split("-")[0] or 1), info.get("Partition", "")
     rc, out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N %t")
     if rc:
         return None  # no view of the partition: let Slurm decide

@@ -42,7 +42,10 @@ class Profile:
     constraint: str | None = None
     """Node feature constraint, e.g. h100 (site-specific)."""
     nodes: int = 1
-    """Nodes per job (make submit NODES=…)."""
+    """Nodes per job (make submit NODES=…); with min_nodes, the most an attempt starts on."""
+    min_nodes: int = 0
+    """The fewest nodes an attempt may start on (sbatch launcher: `--nodes=min_nodes-nodes`, make submit NODES=1-2);
+    0: exactly `nodes`. A requeue without a blamed node then starts on the nodes left; the global batch stays."""
     gpus_per_node: int = 0
     """GPUs per node; one training process runs per GPU (0: CPU nodes)."""
     tasks_per_node: int = 0
@@ -93,6 +96,15 @@ class Profile:
         return self.tasks_per_node or self.gpus_per_node or 1
 
     @property
+    def node_range(self) -> str:
+        """Slurm's --nodes value: ``nodes``, or ``min_nodes-nodes``."""
+        return f"{self.min_nodes}-{self.nodes}" if 0 < self.min_nodes < self.nodes else str(self.nodes)
+
+    def world_sizes(self) -> list[int]:
+        """Every number of training processes an attempt of this profile may start with."""
+        return [n * self.ntasks_per_node for n in range(self.min_nodes or self.nodes, self.nodes + 1)]
+
+    @property
     def procs_per_task(self) -> int:
         """Training processes each Slurm task starts: 1 with srun, the node's share with torchrun."""
         return self.ntasks_per_node if self.launch == "torchrun" else 1
@@ -134,6 +146,12 @@ def validate(p: Profile) -> None:
                 "suspect_hours", "spare_nodes"):
         if getattr(p, key) < 0:
             raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
+    if not 0 <= p.min_nodes <= p.nodes:
+        raise _err("min_nodes", f"must be between 0 and nodes={p.nodes}, got {p.min_nodes}",
+                   f"e.g. NODES=1-{p.nodes} (min_nodes: 1), or min_nodes: 0 for exactly {p.nodes}")
+    if p.min_nodes and p.spare_nodes:
+        raise _err("min_nodes", "and spare_nodes both answer a lost node (shrink, or start on a spare): pick one",
+                   "min_nodes: 0, or spare_nodes: 0")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):
         raise _err("job_name", f"{p.job_name!r} has characters Slurm and shells treat specially",
                    "use letters, digits, '.', '_' and '-'")

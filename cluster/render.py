@@ -18,11 +18,15 @@ from trainer.core.errors import UserError
 
 def sbatch_directives(p: Profile) -> list[str]:
     """The ``#SBATCH`` header; site-specific lines carry a ``# SITE`` marker line above them."""
+    ranged = "-" in p.node_range
     lines = [
         f"#SBATCH --job-name={p.job_name}",
-        f"#SBATCH --nodes={p.nodes + p.spare_nodes}",
-        f"#SBATCH --ntasks-per-node={1 if p.launch == 'torchrun' else p.ntasks_per_node}",
-        f"#SBATCH --cpus-per-task={p.cpus_per_task * p.procs_per_task}",
+        f"#SBATCH --nodes={p.node_range if ranged else p.nodes + p.spare_nodes}",
+        # With --ntasks-per-node, Slurm 22.05 starts a node range at its minimum although more nodes are idle
+        # (measured on the dev cluster): a range asks for one task per node holding the node's share of cores,
+        # and srun places the processes (_srun).
+        *([] if ranged else [f"#SBATCH --ntasks-per-node={1 if p.launch == 'torchrun' else p.ntasks_per_node}"]),
+        f"#SBATCH --cpus-per-task={p.cpus_per_task * (p.ntasks_per_node if ranged else p.procs_per_task)}",
         f"#SBATCH --time={p.time_min}",
     ]
     if p.gpus_per_node:
@@ -101,6 +105,9 @@ def _srun(p: Profile, python: str) -> tuple[str, str]:
     inside = container_prefix(p)
     tasks = 1 if p.launch == "torchrun" else p.ntasks_per_node
     place = f' --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * {tasks} ))' if p.spare_nodes else ""
+    if "-" in p.node_range:  # as many nodes as this attempt got (see sbatch_directives)
+        place = (f" --ntasks=$(( SLURM_NNODES * {tasks} )) --ntasks-per-node={tasks}"
+                 f" --cpus-per-task={p.cpus_per_task * p.procs_per_task}")
     srun = f"srun --kill-on-bad-exit=1{place}" + (f" {inside}" if inside else "")
     return srun, "python3" if inside else shlex.quote(python)
 
@@ -138,7 +145,8 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
     """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
     ends the job, and its exit code is the job's; with spare nodes it may instead start the next attempt here."""
     verdict = (f"{python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
-               f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}")
+               f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}"
+               + (f" --min-nodes {p.min_nodes}" if "-" in p.node_range else ""))
     if p.spare_nodes:
         verdict = f'next=$({verdict} --need "$need" --avoid "$avoid")'
     # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster import suspects
 from cluster.command import Command, parse, requeue_after
@@ -27,6 +27,10 @@ from cluster.render import (
 from cluster.task import CommandTask, TrainTask
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
+from trainer.runtime.batches import check_worlds
+
+if TYPE_CHECKING:
+    from trainer.core.config import Config
 
 
 def python_for(p: Profile) -> str:
@@ -56,6 +60,10 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     if p.spare_nodes:
         raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
                         "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0 (sweeps run through submitit)")
+    if p.min_nodes and p.min_nodes < p.nodes:
+        raise UserError("profile.min_nodes", f"a node range ({p.node_range}) needs the sbatch launcher: submitit asks "
+                        "for a fixed node count and waits for a result from each of its nodes × tasks_per_node tasks",
+                        f"LAUNCHER=sbatch, or NODES={p.nodes} (sweeps run through submitit)")
     folder = Path(p.log_dir) / "%j"
     inside = container_prefix(p)
     # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
@@ -141,7 +149,7 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
         raise UserError("LAUNCHER", f"must be submitit or sbatch, got {launcher!r}", "LAUNCHER=sbatch or leave it unset")
     command = parse(args, module)
     if command is None:
-        _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}")
+        _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}", p.world_sizes())
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
@@ -158,7 +166,7 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
     return _submit_submitit(p, args, command, wait)
 
 
-def _check_trainer_args(args: list[str], warned_with: str) -> None:
+def _check_trainer_args(args: list[str], warned_with: str, worlds: list[int]) -> None:
     """Bad overrides fail here, not on the cluster. The job's warning signal is the profile's, not a trainer key."""
     for arg in args:
         key = arg.partition("=")[0]
@@ -168,7 +176,9 @@ def _check_trainer_args(args: list[str], warned_with: str) -> None:
                             "leave it out; another signal: --set signal=USR1 (SET=\"signal=USR1\")")
         if key in LEGACY:
             raise UserError(key, f"is no longer a key ({LEGACY[key][1]})", f"leave {arg!r} out")
-    load_train_config([a for a in args if not a.startswith("run.dir=")])
+    cfg = load_train_config([a for a in args if not a.startswith("run.dir=")])
+    if cfg.data.global_batch_size:  # now, not after the queue wait: every world size the job may start with
+        check_worlds(cfg.data.global_batch_size, worlds, cfg.data.batch_size)
 
 
 def task_line(p: Profile, args: list[str], command: Command | None) -> str:
@@ -247,9 +257,9 @@ def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait:
     return 0
 
 
-def load_train_config(args: list[str]) -> None:
+def load_train_config(args: list[str]) -> Config:
     """The built-in trainer's checks of ``args`` (imported here: they load torch, which listing or rendering never
     needs)."""
     from trainer.builtin.build import load_checked
 
-    load_checked(args)
+    return load_checked(args)

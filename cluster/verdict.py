@@ -217,7 +217,7 @@ def _verdict(ns: argparse.Namespace) -> int:
             _record(run_dir, ns.phase, restart, job, v, "restart_here", f"{why} here, on {left}")
             print(f"restart-here: {','.join(avoid)}", flush=True)
             return 0
-        short = nodes.shortfall(info, [*avoid, *already])
+        short = nodes.shortfall(info, [*avoid, *already], ns.min_nodes)
         if short:
             action, why = "fail", f"{why}, but {short}"
     if action == "requeue":
@@ -273,6 +273,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suspects", default=suspects.default_path(), help="the suspects list to add blamed nodes to")
     p.add_argument("--suspect-hours", type=float, default=24.0)
     p.add_argument("--need", type=int, default=0, help="nodes per attempt, when the job holds spare nodes")
+    p.add_argument("--min-nodes", type=int, default=0,
+                   help="the fewest nodes the job may start on (a node range; Slurm shows the allocated count)")
     p.add_argument("--avoid", default="", help="nodes of this allocation earlier attempts were blamed on")
     return p
 

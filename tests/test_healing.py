@@ -207,3 +207,36 @@ def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env
     assert (first["class"], first["blamed"]) == ("infrastructure", [node]), first
     assert "killed by SIGKILL" in first["cause"] and last["class"] == "finished", (first, last)
     assert node in excluded(job, env)
+
+
+def test_a_node_range_job_shrinks_onto_the_nodes_left_and_trains_the_same_samples(
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """NODES=1-2 with n3 drained: rank 1's node is blamed and excluded, the requeued job starts on the one node
+    left, and with a global batch it ends with the parameters of the uninterrupted 2-node run (to float tolerance)."""
+    import torch
+
+    args = [*SLOW, "data.global_batch_size=64"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    env = {**slurm_env, "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *args, f"run.dir={ref}"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sh(["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=elastic-test"], env)
+    try:
+        proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "1-2", "--", *args, f"run.dir={run}"],
+                           {**env, **faults(step_delay_s=0.3)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = job_id_of(proc.stdout)
+        wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
+        node = kill_rank(job, 1, 0)
+        result = finished(run, job, env)
+    finally:
+        sh(["scontrol", "update", "NodeName=n3", "State=RESUME"], env)
+    assert result["outcome"] == "finished" and result["world_size"] == 1 and result["resumed_from"], result
+    first, last = events(run, "attempt_end")
+    assert (first["class"], first["blamed"], first["decision"]) == ("infrastructure", [node], "requeue"), first
+    assert [a["processes"] for a in events(run, "attempt")] == [2, 1]
+    a, b = (torch.load(json.loads((r / "result.json").read_text())["checkpoint"], weights_only=True)["model"]
+            for r in (ref, run))
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
+    assert "processes per attempt: 2 → 1" in report, report

@@ -67,6 +67,21 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path, launcher: s
 
 
 @pytest.mark.parametrize("launch", ["srun", "torchrun"])
+def test_golden_node_range(tmp_path: Path, launch: str) -> None:
+    """NODES=1-4 on 2-process nodes: one allocation task per node (Slurm starts a range at its minimum when asked
+    for tasks per node), srun places the processes on however many nodes the attempt got."""
+    p = load_profile("dev", {"nodes": 4, "min_nodes": 1, "tasks_per_node": 2, "launch": launch, "doctor": True})
+    path, raw = GOLDEN / f"sbatch-{launch}-range1-4.sh", sbatch_script(p, HOSTILE)
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(normalized(raw))
+    assert normalized(raw) == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
+    assert "--ntasks-per-node" not in raw.split("#SBATCH --time")[0] and "--min-nodes 1" in raw
+    (tmp_path / "job.sh").write_text(raw)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    _shellcheck(tmp_path / "job.sh", "--exclude=SC2016")
+
+
+@pytest.mark.parametrize("launch", ["srun", "torchrun"])
 def test_golden_spare_nodes(tmp_path: Path, launch: str) -> None:
     p = load_profile("dev", {"nodes": 2, "spare_nodes": 1, "launch": launch, "doctor": True})
     path, raw = GOLDEN / f"sbatch-{launch}-spare1.sh", sbatch_script(p, HOSTILE)
@@ -193,6 +208,28 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
         submit(p, [], "submitit", True, False)
 
 
+@pytest.mark.parametrize(("nodes", "args", "error"), [
+    ("1-2", ["data.global_batch_size=64"], None),
+    ("2", [], None),
+    ("1-3", ["data.global_batch_size=64"], "error: data.global_batch_size: 64 samples per step do not split equally "
+                                           "across 3 processes, one of the world sizes 1-3"),
+    ("2-1", [], "error: profile.min_nodes: must be between 0 and nodes=1"),
+    ("1-x", [], "error: NODES: '1-x' is neither a node count nor a range"),
+])
+def test_a_node_range_is_asked_of_slurm_and_the_global_batch_checked_for_each_size(
+        capsys: pytest.CaptureFixture[str], nodes: str, args: list[str], error: str | None) -> None:
+    code = cluster_main(["submit", "--launcher", "sbatch", "--dry-run", "--nodes", nodes, "--", *args])
+    out, err = capsys.readouterr()
+    assert code == (2 if error else 0), err
+    if error:
+        assert err.startswith(error) and "HINT: " in err
+    else:
+        assert f"#SBATCH --nodes={nodes}\n" in out
+    if nodes == "1-2":  # submitit expects a result from every task of a fixed node count: it says so
+        assert cluster_main(["submit", "--dry-run", "--nodes", nodes]) == 2
+        assert "error: profile.min_nodes: a node range (1-2) needs the sbatch launcher" in capsys.readouterr().err
+
+
 def _changes(res: dict[str, object]) -> list[list[object]]:
     """The scontrol calls that change the job (requeue, update), without the run folder."""
     return [c[:2] for c in res["calls"] if c[0] == "scontrol" and c[1][0] in ("requeue", "update")]  # type: ignore[index,union-attr]
@@ -214,6 +251,8 @@ def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     (["partition=gpu;rm"], "profile.partition"),
     (["launch=mpirun"], "profile.launch"),
     (["container.runtime=podman"], "profile.container.runtime"),
+    (["min_nodes=3"], "profile.min_nodes"),
+    (["min_nodes=1", "nodes=2", "spare_nodes=1"], "profile.min_nodes"),
 ])
 def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
     argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]

@@ -27,6 +27,8 @@ def test_two_processes_make_one_offline_run_with_config_metrics_and_summary(tmp_
     assert steps[0] == 4 and steps[-1] == 16
     assert {"train/loss", "train/lr", "train/samples_per_s", "train/step_time_s"} <= set(rec["history"][4])
     assert "eval/accuracy" in rec["history"][16]
+    assert (rec["history"][4]["world/processes"], rec["history"][4]["world/nodes"]) == (2, 1)  # the attempt's size
+    assert "world/processes" not in rec["history"][8]  # once per attempt
     assert rec["summary"]["test/accuracy"] == result_of(run)["test_accuracy"]
     assert proc.stdout.count("tracking: W&B offline run") == 1  # rank 0 only
 

@@ -19,7 +19,7 @@ from trainer.core.errors import EXIT_BAD_INPUT
 from trainer.core.events import EVENTS
 from trainer.runtime.attempts import Attempt, attempts, figures
 
-COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("exit", "{}"), ("ended", "{}"), ("blamed", "{}"),
+COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("nodes", "{}"), ("processes", "{}"), ("exit", "{}"), ("ended", "{}"), ("blamed", "{}"),
            ("gap_before_s", "{:.1f}"), ("resumed_step", "{}"),
            ("last_step", "{}"),
            ("allocated_s", "{:.1f}"), ("startup_s", "{:.1f}"), ("training_s", "{:.1f}"), ("stall_s", "{:.2f}"),
@@ -36,6 +36,9 @@ def table(f: dict[str, Any]) -> str:
                  f"{f['allocated_node_s']:.1f} allocated node-seconds); {f['lost_steps']} steps recomputed after "
                  f"requeues; checkpoint stall {f['stall_s']:.2f} s; recovery {f['recovery_s']['preempted']:.1f} s "
                  f"from preemptions, {f['recovery_s']['failure']:.1f} s from failures")
+    sizes = [str(r["processes"]) for r in f["attempts"]]
+    if len(set(sizes)) > 1:  # an elastic job: the global batch stayed, the processes sharing it did not
+        lines.append(f"processes per attempt: {' → '.join(sizes)}")
     lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
               if r["cause"] and r["ended"] != "finished"]
     return "\n".join(lines)

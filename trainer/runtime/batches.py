@@ -49,6 +49,8 @@ def check_worlds(global_batch: int, worlds: list[int], max_micro: int, field: st
             plan(global_batch, world, max_micro, field)
         except UserError as exc:
             if len(worlds) > 1:
+                every = math.lcm(*worlds)
                 raise UserError(field, f"{exc.message}, one of the world sizes {worlds[0]}-{worlds[-1]} this job may "
-                                "start with", exc.hint) from None
+                                f"start with", f"use a multiple of {every}, which each of them divides (e.g. {field}="
+                                f"{math.ceil(global_batch / every) * every}), or a narrower node range") from None
             raise

@@ -105,6 +105,8 @@ class Tracker:
         """Record metrics at optimizer step ``step``; steps an earlier process already logged are skipped."""
         if self.run is None or step <= self.floor or step < self.last_step:
             return
+        if self.last_step <= self.floor:  # this attempt's first row: its world size, a chart across attempts
+            metrics = {**metrics, "world/processes": self.env.world_size, "world/nodes": self.env.num_nodes}
         try:
             self.run.log(metrics, step=step)
             self.last_step = step

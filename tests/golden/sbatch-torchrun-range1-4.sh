@@ -1,0 +1,61 @@
+#!/bin/bash
+# rendered from profile 'dev' by `python -m cluster submit`
+#SBATCH --job-name=train
+#SBATCH --nodes=1-4
+#SBATCH --cpus-per-task=2
+#SBATCH --time=10
+# SITE
+#SBATCH --partition=dev
+#SBATCH --signal=USR2@30
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=runs/slurm/%x-%j.out
+set -euo pipefail
+
+export OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2
+mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
+rm -f "$RUN_DIR/requeue.json"
+# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
+job_event() {
+  printf '{"t": %s, "event": "%s", "job_id": "%s", "restart": %s, "nodes": %s%s}\n' "$(date +%s.%N)" "$1" \
+    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \
+    >> "$RUN_DIR/events.jsonl" || true
+}
+job_event job_start
+echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
+
+for arg in "$@"; do
+  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
+done
+# Preflight checks on every node and GPU (profile doctor: true; DOCTOR=0|1 overrides).
+if [[ "${DOCTOR:-1}" == 1 ]]; then
+  rc=0
+  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  port=$(( 15000 + SLURM_JOB_ID % 15000 ))
+  srun --kill-on-bad-exit=1 --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+      --nnodes="$SLURM_NNODES" --nproc-per-node=2 \
+      --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
+      -m trainer.doctor optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
+  if (( rc )); then
+    echo "preflight doctor failed (its table, or the launch error, is above)" >&2
+    trap '' TERM
+    verdict=0; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 || verdict=$?
+    exit "$verdict"
+  fi
+fi
+rc=0
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$(( 15000 + SLURM_JOB_ID % 15000 ))
+srun --kill-on-bad-exit=1 --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+    --nnodes="$SLURM_NNODES" --nproc-per-node=2 \
+    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
+    -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
+
+job_event job_end ", \"code\": $rc"
+# Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
+trap '' TERM
+verdict=0; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 || verdict=$?
+exit "$verdict"
