@@ -151,3 +151,13 @@ def test_a_global_batch_the_world_size_cannot_split_exits_2_before_training(tmp_
     assert "error: data.global_batch_size: 63 samples per step do not split equally across 2 processes" in outs[0]
     assert "HINT: use a multiple of 2 (e.g. data.global_batch_size=64)" in outs[0]
     assert "Traceback" not in outs[0] and not (tmp_path / "odd" / "checkpoints").exists()
+
+
+def test_a_finished_per_process_batch_run_resumed_on_one_process_trains_no_step(tmp_path: Path) -> None:
+    """Without a global batch the step count depends on the world size; a finished run still trains nothing more."""
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path, nproc=2))
+    steps = result_of(run)["global_step"]
+    again = ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path, nproc=1))
+    assert "no step to train" in again.stdout and "another global batch" in again.stdout
+    assert result_of(run)["global_step"] == steps == 16

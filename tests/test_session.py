@@ -48,6 +48,23 @@ def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_rand
     assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
 
 
+def test_char_lm_with_a_global_batch_continues_on_one_process_as_on_two(tmp_path: Path) -> None:
+    """The example's --global-batch: preempted on 2 processes, finished on 1, it ends where the uninterrupted
+    2-process run does (float tolerance: one process sums the micro-batches' gradients in another order)."""
+    lm = [*LM, "--global-batch", "16", "checkpoint.poll_steps=1"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([*lm, f"run.dir={ref}"], tmp_path, nproc=2, script=CHAR_LM))
+    ranks = spawn_ranks([*lm, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=9), script=CHAR_LM)
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs
+    assert "global batch 16 = 2 process(es) × 8 samples × 1 accumulation step(s)" in outs[0]
+    one = ok(run_trainer([*lm, f"run.dir={run}"], tmp_path, nproc=1, script=CHAR_LM))
+    assert "global batch 16 = 1 process(es) × 8 samples × 2 accumulation step(s)" in one.stdout
+    assert "written by 2 processes, now 1: the same global batches continue" in one.stdout
+    a, b = last_weights(ref), last_weights(run)
+    assert result_of(run)["global_step"] == 24 and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a)
+
+
 def test_char_lm_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*LM, f"run.dir={run}", "checkpoint.every_steps=5"]

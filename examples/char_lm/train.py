@@ -2,10 +2,13 @@
 
     torchrun --nproc-per-node=2 examples/char_lm/train.py --max-steps 300
     python examples/char_lm/train.py --max-steps 300 run.dir=runs/char checkpoint.every_steps=50
+    torchrun --nproc-per-node=2 examples/char_lm/train.py --global-batch 32 run.dir=runs/char   # then on 1 process
 
 Flags shape the model and the loop; ``key=value`` words configure the session (run folder, checkpoints, W&B:
 see `python -m trainer --help`). The text is Python's own standard library source: on every machine, no download.
-Preempted (USR2/TERM), it saves, exits 75 and, started again, continues bit-exactly where it stopped.
+Preempted (USR2/TERM), it saves, exits 75 and, started again, continues bit-exactly where it stopped. With
+``--global-batch`` the samples of each optimizer step are fixed whatever the number of processes, so it may also
+continue on another number of processes (to float tolerance: sums are reduced in another order).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=16, help="windows per process per micro-step")
     p.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="windows per optimizer step on any number of processes (then --batch-size caps the "
+                        "micro-batch and the accumulation is derived); 0: --batch-size × processes × --accum")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up before the cosine decay")
     p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
@@ -97,7 +103,8 @@ def main() -> int:
             return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        loader = sess.loader(Windows(data[:cut], c.block), args.batch_size)
+        loader = sess.loader(Windows(data[:cut], c.block), args.batch_size, args.global_batch or None)
+        accum = loader.accumulation if args.global_batch else args.accum
         val = sess.eval_loader(Windows(data[cut:], c.block), args.batch_size)
         start = sess.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
@@ -106,17 +113,17 @@ def main() -> int:
 
         batches, val_loss = loader.forever(), float("nan")
         for step in sess.steps(start, args.max_steps):
-            for micro in range(args.accum):  # gradients are all-reduced on the last micro-step only
+            for micro in range(accum):  # gradients are all-reduced on the last micro-step only
                 x, y = (t.to(sess.device, non_blocking=True) for t in next(batches))
-                with sess.no_sync(model, skip=micro < args.accum - 1), amp():
-                    loss = model(x, y) / args.accum
+                with sess.no_sync(model, skip=micro < accum - 1), amp():
+                    loss = model(x, y) / accum
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
             if step % 10 == 0:  # reading the loss syncs with the device: not every step
-                train_loss = float(loss.detach()) * args.accum
+                train_loss = float(loss.detach()) * accum
                 sess.log({"train/loss": train_loss, "train/lr": sched.get_last_lr()[0]}, step)  # W&B and a line
             if step % args.eval_every == 0 or step == args.max_steps:
                 val_loss = evaluate(sess, model, val, amp)
