@@ -31,9 +31,10 @@ from cluster.task import CommandTask, TrainTask
 from cluster.trials import columns, fmt
 from trainer.core.errors import UserError
 from trainer.core.files import write_json
+from trainer.runtime.batches import check_worlds
 
 
-def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
+def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path, worlds: list[int] | None = None) -> None:
     """Validate every trial's full argument list with the trainer's own loader before anything is submitted.
 
     An error is renamed after what the user wrote: ``sweep.args`` for the fixed args, ``sweep.parameters.<key>``
@@ -51,7 +52,9 @@ def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
             continue
         seen.add(tuple(t.args))
         try:
-            load_train_config(t.task_args(sweep_dir))
+            cfg = load_train_config(t.task_args(sweep_dir))
+            if cfg.data.global_batch_size and worlds:  # each trial's global batch on the profile's processes
+                check_worlds(cfg.data.global_batch_size, worlds, cfg.data.batch_size)
         except UserError as err:
             if err.field in spec.parameters:
                 raise _err(f"parameters.{err.field}", f"{err.message} (trial {t.index}: {_kv(t.overrides)})", err.hint) from None
@@ -180,7 +183,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll
         raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} has characters submitit's batch script would not quote",
                         "run the sweep from a folder whose path has only letters, digits, '.', '_', '+', '-' and '/'")
     p = sweep_profile(spec, sets, sweep_dir)
-    check_trials(spec, trials, sweep_dir)
+    check_trials(spec, trials, sweep_dir, p.world_sizes())
     if dry_run:
         _show(p, spec, trials, sweep_dir)
         return 0

@@ -77,6 +77,8 @@ BAD_SPECS = [
     ("parameters: {optim.lrr: [0.1]}", "sweep.parameters.optim.lrr", "unknown key"),
     ("parameters: {optim.lr: [0.1, -1]}", "sweep.parameters.optim.lr", "must be > 0"),
     ("parameters: {data.name: [synthetic, mnist]}", "sweep.trials.1", "data.root"),
+    ("profile: {nodes: 2}\nparameters: {data.global_batch_size: [64, 63]}", "sweep.parameters.data.global_batch_size",
+     "63 samples per step do not split equally across 2 processes"),
     ("profile: {nodez: 1}\n" + GRID, "sweep.profile.nodez", "not in"),
     ("cluster: nowhere\n" + GRID, "sweep.cluster", "no profile"),
     ("profile: {launch: torchrun}\n" + GRID, "sweep.profile.launch", "submitit"),
