@@ -113,8 +113,10 @@ def test_a_run_resumed_on_1_then_2_processes_trains_the_uninterrupted_runs_sampl
     second = _ranks([*common, f"run.dir={run}"], tmp_path, 1, 75, preempt_at_step=9)
     assert "global batch 24 = 1 process(es) × 6 samples × 4 accumulation step(s)" in second
     assert "written by 2 processes, now 1: the same global batches continue" in second
+    assert "the random streams of rank 1 end" in second
     third = _ranks([*common, f"run.dir={run}"], tmp_path, 2, 0)
-    assert "written by 1 processes, now 2: the same global batches continue" in third
+    assert "written by 1 process, now 2: the same global batches continue" in third
+    assert "rank 1 start random streams from the seed" in third
     steps = [t["step"] for t in _trace(run)]
     assert steps == list(range(1, 31)), steps  # 7 steps on 2, 10 on 1, 13 on 2: none twice, none lost
     assert _trace(run) == _trace(ref)

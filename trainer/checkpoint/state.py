@@ -149,18 +149,26 @@ def restore_objects(resumed: Resumed, objects: dict[str, Any], env: DistEnv, mod
 def world_note(old: int, new: int, exact: bool, per_rank: list[str], model: nn.Module | None) -> str:
     """One line on resuming onto another number of processes: what continues exactly and what does not."""
     if not exact:
-        return (f"note: checkpoint was written by {old} processes, now {new}: training continues after the samples "
+        return (f"note: checkpoint was written by {_procs(old)}, now {new}: training continues after the samples "
                 "already seen (to within one batch), but with another global batch; set data.global_batch_size "
                 "(own loop: sess.loader(..., global_batch_size=N)) to keep it"
                 + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else ""))
-    streams = (f"ranks {old}-{new - 1} start random streams from the seed" if new > old else
-               f"the random streams of ranks {new}-{old - 1} end")
+    streams = (f"{_ranks(old, new - 1)} start random streams from the seed" if new > old else
+               f"the random streams of {_ranks(new, old - 1)} end")
     norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) if model else 0
-    return (f"note: checkpoint was written by {old} processes, now {new}: the same global batches continue, step "
+    return (f"note: checkpoint was written by {_procs(old)}, now {new}: the same global batches continue, step "
             f"by step (sums may differ in the last bits: another reduction order); {streams}"
             + (f"; per-rank state ({', '.join(per_rank)}) starts afresh" if per_rank else "")
             + (f"; not exact for this model: its {norms} BatchNorm layer(s) take statistics over each process's "
                "micro-batch, which the split changes" if norms else ""))
+
+
+def _procs(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def _misfit(resumed: Resumed, state: dict[str, Any], name: str, exc: BaseException) -> None:
