@@ -76,9 +76,10 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
 def node_range(text: str) -> dict[str, object]:
     """``--nodes`` as profile keys: ``N`` (exactly), ``MIN-MAX`` (a range: min_nodes and nodes)."""
-    low, _, high = text.partition("-")
-    if not (low.isdigit() and (high.isdigit() or not _)):
-        raise UserError("NODES", f"{text!r} is neither a node count nor a range", "e.g. NODES=2, or NODES=1-2")
+    low, dash, high = text.partition("-")
+    if not (low.isdigit() and (high.isdigit() or not dash)) or int(low) < 1 or (dash and int(high) < int(low)):
+        raise UserError("NODES", f"{text!r} is neither a node count nor a range MIN-MAX of at least 1 node",
+                        "e.g. NODES=2, or NODES=1-2")
     return {"nodes": int(high or low), "min_nodes": int(low) if high else 0}
 
 

@@ -163,3 +163,68 @@ def test_a_finished_per_process_batch_run_resumed_on_one_process_trains_no_step(
     again = ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path, nproc=1))
     assert "no step to train" in again.stdout and "another global batch" in again.stdout
     assert result_of(run)["global_step"] == steps == 16
+
+
+@pytest.mark.parametrize(("saved", "now", "expected"), [
+    # (global batch or 0, world, position) saved → (global batch, world) now → (epoch, position); 50 samples, cap 4
+    ((12, 2, 4), (12, 3), (0, 2)),    # the same global batch: 24 samples seen = 2 steps, 1 micro-batch each on 3
+    ((12, 2, 2), (24, 2), (0, 3)),    # 12 seen: the next whole step of 24 (3 micro-batches of 4) is the second
+    ((12, 2, 4), (24, 3), (0, 2)),    # 24 seen: 1 step of 24 (2 micro-batches of 4 on 3 processes)
+    ((0, 2, 6), (12, 1), (1, 0)),     # 48 seen with 4 per process: no whole step of 12 is left in the epoch
+    ((12, 1, 10), (48, 1), (1, 0)),   # 40 seen, inside a step: the one step of 48 would overrun the epoch
+])
+def test_another_global_batch_resumes_at_the_next_whole_step_or_epoch(saved: tuple[int, int, int],
+                                                                      now: tuple[int, int],
+                                                                      expected: tuple[int, int]) -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(50))
+    was_g, was_world, position = saved
+    was = Loader(data, env_of(0, was_world), 4, 3, plan(was_g, was_world, 4) if was_g else None)
+    state = {**was.state_dict(), "position": position, "samples": position * was.batch_size * was_world}
+    g, world = now
+    loader = Loader(data, env_of(0, world), 4, 3, plan(g, world, 4))
+    loader.load_state_dict(state)
+    assert (loader.epoch, loader.position) == expected
+    assert len(next(iter(loader))[0]) == loader.batch_size  # a batch, never an empty epoch
+
+
+def test_bad_loader_arguments_are_refused_with_the_reason() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(50))
+    with pytest.raises(UserError, match="more than the 50 samples"):
+        Loader(data, env_of(0, 1), 4, 3, plan(64, 1, 4))
+    with pytest.raises(ValueError, match="drop_last cannot be set with global_batch_size"):
+        Loader(data, env_of(0, 1), 4, 3, plan(12, 1, 4), drop_last=True)
+
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(10))
+
+    with pytest.raises(UserError, match="needs a map-style data set"):
+        Loader(Stream(), env_of(0, 1), 4, 3, plan(12, 1, 4))
+
+
+def test_the_plan_says_when_a_global_batch_splits_into_small_micro_batches() -> None:
+    p = plan(194, 2, 32)
+    assert (p.micro, p.accumulation) == (1, 97)
+    assert "a global batch of 192 would run micro-batches of 32" in p.advice(32) and not plan(64, 1, 32).advice(32)
+
+
+def test_the_out_of_memory_hint_halves_the_micro_batch_the_global_batch_derived() -> None:
+    from trainer.builtin.oom import out_of_memory
+    from trainer.core.config import load
+
+    cfg = load(["data.global_batch_size=64", "data.batch_size=32"])
+    err = out_of_memory(RuntimeError("CUDA out of memory"), cfg, env_of(0, 4), torch.device("cpu"), 3, batch=16)
+    assert "batch 16 per process" in err.message and "data.batch_size=8" in err.hint and "grad_accum" not in err.hint
+
+
+def test_the_report_shows_each_attempts_world_size(tmp_path: Path) -> None:
+    from trainer.report import table
+    from trainer.runtime.attempts import attempts, figures
+
+    lines = [{"t": 1.0, "event": "attempt", "started": 1.0, "nodes": 2, "processes": 2, "resumed_step": 0},
+             {"t": 2.0, "event": "exit", "code": 75, "step": 5},
+             {"t": 3.0, "event": "attempt", "started": 3.0, "nodes": 1, "processes": 1, "resumed_step": 5},
+             {"t": 4.0, "event": "exit", "code": 0, "step": 9}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    text = table(figures(attempts(tmp_path)))
+    assert "processes per attempt: 2 → 1" in text and text.splitlines()[0].split()[2:4] == ["nodes", "processes"]

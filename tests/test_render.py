@@ -213,8 +213,9 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     ("2", [], None),
     ("1-3", ["data.global_batch_size=64"], "error: data.global_batch_size: 64 samples per step do not split equally "
                                            "across 3 processes, one of the world sizes 1-3"),
-    ("2-1", [], "error: profile.min_nodes: must be between 0 and nodes=1"),
-    ("1-x", [], "error: NODES: '1-x' is neither a node count nor a range"),
+    ("2-1", [], "error: NODES: '2-1' is neither a node count nor a range MIN-MAX of at least 1 node"),
+    ("0-2", [], "error: NODES: '0-2' is neither"),
+    ("1-x", [], "error: NODES: '1-x' is neither"),
 ])
 def test_a_node_range_is_asked_of_slurm_and_the_global_batch_checked_for_each_size(
         capsys: pytest.CaptureFixture[str], nodes: str, args: list[str], error: str | None) -> None:

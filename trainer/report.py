@@ -37,8 +37,8 @@ def table(f: dict[str, Any]) -> str:
                  f"{f['allocated_node_s']:.1f} allocated node-seconds); {f['lost_steps']} steps recomputed after "
                  f"requeues; checkpoint stall {f['stall_s']:.2f} s; recovery {f['recovery_s']['preempted']:.1f} s "
                  f"from preemptions, {f['recovery_s']['failure']:.1f} s from failures")
-    sizes = [str(r["processes"]) for r in f["attempts"]]
-    if len(set(sizes)) > 1:  # an elastic job: the global batch stayed, the processes sharing it did not
+    sizes = [str(r["processes"]) for r in f["attempts"] if r["processes"]]
+    if len(set(sizes)) > 1:  # a job resumed on another number of processes (a node range, a manual resume)
         lines.append(f"processes per attempt: {' → '.join(sizes)}")
     lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
               if r["cause"] and r["ended"] != "finished"]

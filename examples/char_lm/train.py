@@ -68,6 +68,14 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args()  # what is left are the session's key=value overrides
 
 
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Warm-up, then cosine to a tenth of the peak."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    done = (step - args.warmup) / max(1, args.max_steps - args.warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+
+
 @torch.no_grad()
 def evaluate(sess: trainer.Session, model: torch.nn.Module, loader: Any, amp: Any) -> float:
     """Mean loss over the whole evaluation set: each rank sums its shard, then one all-reduce. (eval_batches: with
@@ -96,13 +104,7 @@ def main() -> int:
         cuda = sess.device.type == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
 
-        def lr_at(step: int) -> float:  # warm-up, then cosine to a tenth
-            if step < args.warmup:
-                return (step + 1) / args.warmup
-            done = (step - args.warmup) / max(1, args.max_steps - args.warmup)
-            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, args))
         loader = sess.loader(Windows(data[:cut], c.block), args.batch_size, args.global_batch or None)
         accum = loader.accumulation if args.global_batch else args.accum
         val = sess.eval_loader(Windows(data[cut:], c.block), args.batch_size)

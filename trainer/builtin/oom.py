@@ -12,14 +12,14 @@ from trainer.core.errors import UserError
 
 
 def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, step: int, epoch: int = 0,
-                  setup: bool = False) -> UserError:
+                  setup: bool = False, batch: int = 0) -> UserError:
     """What to print when this rank runs out of memory; nothing is saved, so the last checkpoint stays intact.
 
     A function, not a Trainer method: construction (``setup``) may fail before there is a Trainer to ask.
     """
     if device.type == "cuda":
         print(torch.cuda.memory_summary(device, abbreviated=True), file=sys.stderr, flush=True)
-    b, accum = cfg.data.batch_size, cfg.optim.grad_accum
+    b, accum = batch or cfg.data.batch_size, cfg.optim.grad_accum  # batch: the micro-batch a global batch derived
     if setup:  # before the first batch: the weights, optimizer state or DDP's buckets do not fit, whatever the batch
         key = "model.target" if cfg.model.target else "model.name"
         where = f"rank {env.rank}, setting up before step {step}"

@@ -170,7 +170,8 @@ class Trainer:
         try:
             return self._fit()
         except torch.OutOfMemoryError as exc:
-            raise out_of_memory(exc, cfg, sess.env, sess.device, sess.step, self.loader.epoch) from None
+            raise out_of_memory(exc, cfg, sess.env, sess.device, sess.step, self.loader.epoch,
+                                batch=self.loader.batch_size) from None
 
     def _fit(self) -> int:
         sess, cfg, env = self.sess, self.cfg, self.sess.env

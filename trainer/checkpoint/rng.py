@@ -29,5 +29,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if "cuda" in state and torch.cuda.is_available():  # the devices both processes see (their counts may differ)
+        for index, saved in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(saved.cpu(), index)

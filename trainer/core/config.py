@@ -39,7 +39,7 @@ class DataConfig:
     global_batch_size: int = 0
     """Samples per optimizer step, whatever the number of processes (0: batch_size × processes × grad_accum):
     gradient accumulation is derived at start-up, so a run resumed on another world size trains on the same
-    global batches, step by step (map-style sets; the last partial global batch of each epoch is dropped)."""
+    global batches, step by step (map-style sets only; the last partial global batch of each epoch is dropped)."""
     num_workers: int = -1
     """DataLoader worker processes per rank; 0 loads in the training process; -1 (auto): 0 for the in-memory
     synthetic set, else up to 4, leaving each process's share of cores one core to compute on."""

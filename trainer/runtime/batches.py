@@ -26,6 +26,14 @@ class BatchPlan:
         return (f"global batch {self.global_batch} = {self.world_size} process(es) × {self.micro} samples × "
                 f"{self.accumulation} accumulation step(s)")
 
+    def advice(self, cap: int) -> str:
+        """A note when the share of each process splits only into micro-batches well under ``cap`` (slow steps)."""
+        if self.accumulation == 1 or 2 * self.micro > cap:
+            return ""
+        better = max(1, round(self.global_batch / (self.world_size * cap))) * self.world_size * cap
+        return (f"; note: {self.micro * self.accumulation} samples per process split into no fuller equal "
+                f"micro-batches: a global batch of {better} would run micro-batches of {cap}")
+
 
 def plan(global_batch: int, world_size: int, max_micro: int, field: str = "data.global_batch_size") -> BatchPlan:
     """Split ``global_batch`` over ``world_size`` processes in the fewest micro-batches of at most ``max_micro``

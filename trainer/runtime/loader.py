@@ -64,6 +64,10 @@ class Loader:
         self.plan, self.world_size = plan, env.world_size
         self.dataset, self.batch_size = dataset, plan.micro if plan else batch_size
         self.iterable = isinstance(dataset, IterableDataset)
+        if self.iterable and plan:
+            raise UserError("data.global_batch_size", "needs a map-style data set (__len__ and __getitem__): an "
+                            "iterable set reads its own share on each process, so its samples per step would change "
+                            "with their number", "leave it out (data.batch_size is per process), or index the set")
         self.sampler: ResumableSampler | GlobalBatchSampler | None = None
         if self.iterable:
             self.loader: DataLoader[Any] = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
@@ -71,6 +75,10 @@ class Loader:
             self.sampler = ResumableSampler(dataset, env, seed)
             self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
         else:
+            for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
+                if key in kwargs:  # the global batch decides these: a user's choice would silently be another run
+                    raise ValueError(f"loader(): {key} cannot be set with global_batch_size: the global batch sampler "
+                                     "shuffles by (seed, epoch) and drops the last partial global batch")
             self.sampler = GlobalBatchSampler(len(dataset), plan, env.rank, seed)  # type: ignore[arg-type]
             if not self.sampler.steps_per_epoch:
                 raise UserError("data.global_batch_size", f"{plan.global_batch} is more than the {len(dataset)} "  # type: ignore[arg-type]
@@ -131,16 +139,24 @@ class Loader:
                 "global_batch_size": self.plan.global_batch if self.plan else 0}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where ``state`` left off: exactly with the same global batch (on any world size), else after the
-        samples already seen (to within one batch)."""
+        """Continue where ``state`` left off: exactly with the same global batch (on any world size, from a save at
+        a step's end), else after the samples already seen, at the start of the next whole step."""
         self.epoch, self.position = state["epoch"], state["position"]
-        if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
-            consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
+        consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
+        split = (state["world_size"], state["batch_size"], state.get("global_batch_size", 0))
+        if split == (self.world_size, self.batch_size, self.plan.global_batch if self.plan else 0):
+            pass  # the very same batches: even a save inside an accumulation window resumes exactly
+        elif self.plan is not None and not self.iterable:
+            self.position = -(-consumed // self.plan.global_batch) * self.plan.accumulation
+        else:
             self.position = consumed // (self.batch_size * self.world_size)
+        if self.sampler is not None and self.position >= len(self):  # another batch: the epoch is already over
+            self.epoch, self.position = self.epoch + 1, 0
 
     def exact_after(self, state: dict[str, int]) -> bool:
-        """Whether resuming from ``state`` continues with the very global batches the saving run had next."""
-        return self.plan is not None and not self.iterable and state.get("global_batch_size") == self.plan.global_batch
+        """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved
+        at the end of a step: ``should_save`` comes after the optimizer step)."""
+        return self.plan is not None and state.get("global_batch_size") == self.plan.global_batch
 
 
 def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:

@@ -182,9 +182,12 @@ class Session:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``). With
         ``global_batch_size``, ``batch_size`` caps the micro-batch and ``loader.accumulation`` micro-batches make one
         optimizer step of the same samples on any number of processes."""
+        if batch_size < 1 or (global_batch_size or 0) < 0:
+            raise ValueError(f"loader(): batch_size must be >= 1 and global_batch_size >= 0, got {batch_size} and "
+                             f"{global_batch_size}")
         planned = plan(global_batch_size, self.env.world_size, batch_size) if global_batch_size else None
         if planned:
-            self.print(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch)")
+            self.print(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch){planned.advice(batch_size)}")
         made = Loader(dataset, self.env, batch_size, self.cfg.train.seed, planned,
                       **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
         self.loaders.append(made.loader)
