@@ -1,4 +1,4 @@
-"""``python -m cluster submit|render|sweep|sweep-status|suspects``: what `make submit`, `make sweep` and the template
+"""``python -m cluster submit|render|sweep|sweep-status|suspects|save-now``: what `make submit`, `make sweep` and the template
 regeneration call."""
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
     sp = sub.add_parser("suspects", help="list the nodes jobs blamed (new jobs exclude them), or clear one")
     sp.add_argument("--clear", metavar="NODE", help="forget NODE (all: every node)")
+    sn = sub.add_parser("save-now", help="ask a running job to save a checkpoint at its next poll, and go on")
+    sn.add_argument("run_dir", help="the run folder (runs/<job id>)")
     ns = parser.parse_args(argv)
     return exit_code_of(lambda: _dispatch(ns))
 
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "sweep-status":
         return show_status(ns.sweep_dir)
+    if ns.command == "save-now":
+        return save_now(Path(ns.run_dir))
     if ns.command == "suspects":
         return suspects.show(Path(suspects.default_path()), ns.clear)
     bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
@@ -72,6 +76,15 @@ def _dispatch(ns: argparse.Namespace) -> int:
     if ns.nodes is not None:
         overrides.update(node_range(ns.nodes))
     return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
+
+
+def save_now(run_dir: Path) -> int:
+    """Leave ``save-now`` in a run folder: rank 0 sees it within ``checkpoint.poll_steps`` steps, all ranks save."""
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError("RUN_DIR", f"{run_dir} is not a run folder (no config.yaml)", "pass runs/<job id> of a running job")
+    (run_dir / "save-now").touch()
+    print(f"asked {run_dir} to save at its next poll (checkpoint.poll_steps)")
+    return 0
 
 
 def node_range(text: str) -> dict[str, object]:

@@ -63,7 +63,8 @@ class Profile:
     signal: str = "USR2"
     """Signal Slurm sends before the time limit; the trainer saves and exits 75 on it."""
     signal_grace_s: int = 120
-    """Seconds before the time limit that the signal is sent (enough for one save)."""
+    """Seconds before the time limit that the signal is sent (enough for one save); 0: no signal (sbatch launcher),
+    the trainer saves before the limit on its own (it reads the job's end time)."""
     max_requeues: int = 3
     """Requeues after a preemption or time-limit save before the job gives up."""
     max_failures: int = 3
@@ -72,6 +73,8 @@ class Profile:
     spare_nodes: int = 0
     """Nodes held beyond `nodes` (sbatch launcher): after an infrastructure failure the next attempt starts at once
     in the allocation without the blamed node, instead of going back to the queue."""
+    mtbf_hours: float = 24.0
+    """Hours between failures of one node, the prior of `checkpoint.cadence=auto` (exported as TRAINER_MTBF_HOURS)."""
     suspect_hours: float = 24.0
     """How long a blamed node stays on the suspects list that new jobs exclude (`python -m cluster suspects`)."""
     requeue_on_signal: bool = False
@@ -143,7 +146,7 @@ def validate(p: Profile) -> None:
         if getattr(p, key) < 1:
             raise _err(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
     for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues", "max_failures",
-                "suspect_hours", "spare_nodes"):
+                "suspect_hours", "spare_nodes", "mtbf_hours"):
         if getattr(p, key) < 0:
             raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
     if not 0 <= p.min_nodes <= p.nodes:

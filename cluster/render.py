@@ -38,7 +38,7 @@ def sbatch_directives(p: Profile) -> list[str]:
         if value:
             lines += ["# SITE", f"#SBATCH --{key}={value}"]
     lines += [
-        f"#SBATCH --signal={p.signal}@{p.signal_grace_s}",
+        *([f"#SBATCH --signal={p.signal}@{p.signal_grace_s}"] if p.signal_grace_s else []),
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={_sbatch_path(p.log_dir + '/%x-%j.out')}",
@@ -255,6 +255,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         "export PYTHONUNBUFFERED=1",
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
+        *([f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []),
         *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, start=not p.spare_nodes),
         "",
         *flight_recorder(p, "$RUN_DIR"),

@@ -71,6 +71,7 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=0,
                                slurm_python=f"{inside} python3" if inside else python_for(p))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
+    setup += [f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
     setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2")  # submitit warns with USR2
     host = host_python(p, python_for(p))

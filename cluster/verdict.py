@@ -153,12 +153,32 @@ class Limits:
     suspect_hours: float
 
 
+DEADLINE = "deadline: saved before the time limit"
+"""The cause of an attempt the runtime saved and ended because the job's time limit was near (no signal needed)."""
+
+
+def with_deadline(v: Verdict, run_dir: Path) -> Verdict:
+    """A preemption whose requeue marker says the runtime saved for the time limit: a cause of its own."""
+    try:
+        marker = json.loads((run_dir / "requeue.json").read_text()) if v.kind == exits.PREEMPTED else {}
+    except (OSError, ValueError):
+        marker = {}
+    return Verdict(exits.PREEMPTED, DEADLINE, step=v.step) if marker.get("signal") == "deadline" else v
+
+
 def decide(v: Verdict, before: list[dict[str, Any]], limits: Limits) -> tuple[str, str]:
-    """("requeue" | "fail" | "done", why)."""
+    """("requeue" | "fail" | "done", why). Time-limit requeues are not counted against max_requeues (a 7-day run on
+    24-hour limits needs 7), but one that made no step since the last is the end."""
     if v.kind == exits.FINISHED:
         return "done", "finished"
+    if v.cause == DEADLINE:
+        last = [e for e in before if e.get("cause") == DEADLINE]
+        if last and v.step is not None and last[-1].get("step") == v.step:
+            return "fail", f"{DEADLINE}, but no step was trained since the last time (step {v.step}): the time " \
+                           "limit leaves no room for training and a save"
+        return "requeue", f"{DEADLINE}: requeue {len(last) + 1} (not counted against max_requeues)"
     if v.kind == exits.PREEMPTED:
-        done = sum(e.get("class") == exits.PREEMPTED for e in before)
+        done = sum(e.get("class") == exits.PREEMPTED and e.get("cause") != DEADLINE for e in before)
         if done < limits.max_requeues:
             return "requeue", f"preempted: requeue {done + 1} of max_requeues={limits.max_requeues}"
         return "fail", f"preempted, but {done} requeues done (max_requeues={limits.max_requeues})"
@@ -205,8 +225,10 @@ def _verdict(ns: argparse.Namespace) -> int:
                     f"{', '.join(earlier.get('blamed') or ['another node'])}: the code's fault, not a node's",
                     v.where, [], v.step)
     limits = Limits(ns.max_requeues, ns.max_failures, Path(ns.suspects), ns.suspect_hours)
+    v = with_deadline(v, run_dir)
     action, why = decide(v, before, limits)
-    if action == "requeue" and int(env.get("SLURM_RESTART_COUNT") or 0) >= ns.max_requeues + ns.max_failures:
+    restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.get("cause") == DEADLINE for e in before)
+    if action == "requeue" and v.cause != DEADLINE and restarts >= ns.max_requeues + ns.max_failures:
         action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
     avoid = sorted({n for n in [*ns.avoid.split(","), *v.blame] if n})
     already = nodes.excluded(info) if avoid and action == "requeue" else []

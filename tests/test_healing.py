@@ -240,3 +240,20 @@ def test_a_node_range_job_shrinks_onto_the_nodes_left_and_trains_the_same_sample
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
     report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
     assert "processes per attempt: 2 → 1" in report, report
+
+
+def test_a_job_without_a_warning_signal_saves_before_its_time_limit_and_requeues_apart_from_preemptions(
+        slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    """--time=1 and no --signal: the runtime reads the job's end time, saves before it, exits 75; the verdict
+    requeues it although max_requeues=0 (time limits are not preemptions), and the run ends as if uninterrupted."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(step_delay_s=1.5)}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["time_min=1", "signal_grace_s=0", "max_requeues=0"])
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    ends = events(run, "attempt_end")
+    assert ends[0]["cause"].startswith("deadline") and ends[0]["decision"] == "requeue", ends
+    assert "not counted against max_requeues" in ends[0]["why"] and ends[-1]["class"] == "finished"
+    near = events(run, "deadline")[0]
+    saved = next(e for e in events(run, "checkpoint") if e["t"] > near["t"])
+    assert 0 < near["left_s"] < near["margin_s"] and saved["t"] < near["t"] + near["left_s"], (near, saved)

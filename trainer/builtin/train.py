@@ -296,7 +296,7 @@ def fit(cfg: Config) -> dict[str, Any]:
         if code == 0:
             return {**sess.summary, "rank": sess.env.rank}
         return {"outcome": "preempted", "exit_code": code, "rank": sess.env.rank, "run_dir": str(sess.run_dir),
-                "signal": sess.preempted_by.name if sess.preempted_by else None, "checkpoint": str(sess.last_path)}
+                "signal": sess.preempted_by.name if sess.preempted_by else "deadline", "checkpoint": str(sess.last_path)}
 
 
 def notes(cfg: Config, env: DistEnv, state: dict[str, Any], record: dict[str, Any]) -> None:

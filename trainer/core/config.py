@@ -149,6 +149,11 @@ class CheckpointConfig:
     """Save every N optimizer steps; 0 turns step-based saves off."""
     every_minutes: float = 0.0
     """Save when this many minutes have passed since the last save; 0 turns it off."""
+    cadence: str = "fixed"
+    """fixed (every_steps / every_minutes decide), or auto: also save every √(2 × measured save stall × mean time
+    between unannounced interruptions), the interval re-derived as both are measured (printed in one line)."""
+    mtbf_hours: float = 0.0
+    """auto cadence's prior: hours between failures of one node (0: the profile's mtbf_hours, else 24)."""
     keep: int = 3
     """Complete checkpoints kept in the run folder (older ones are deleted)."""
     async_save: bool = False
@@ -219,6 +224,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),
     "checkpoint.format": ("auto", "file", "dcp"),
+    "checkpoint.cadence": ("fixed", "auto"),
     "tracking.mode": ("auto", "online", "offline", "disabled"),
 }
 
@@ -227,7 +233,8 @@ POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test
             "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
 NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
                 "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
-                "train.max_steps", "train.eval_every", "data.global_batch_size")
+                "train.max_steps", "train.eval_every", "data.global_batch_size",
+                "checkpoint.mtbf_hours")
 
 
 def field_docs(cls: type) -> dict[str, str]:

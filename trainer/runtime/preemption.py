@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from trainer.core.config import CheckpointConfig
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
+from trainer.runtime.cadence import FIRST_STALL_S, SLACK_S, Cadence, Deadline
 
 
 class Preemption:
@@ -29,31 +32,68 @@ class Preemption:
             signal.signal(sig, handler)
 
 
+@dataclass(frozen=True)
+class Poll:
+    """What the ranks agreed at a step boundary."""
+
+    signum: int = 0
+    """A preemption signal any rank received (0: none)."""
+    due: bool = False
+    """A scheduled save (every_steps, every_minutes, the auto cadence, or asked for with a save-now file)."""
+    deadline: bool = False
+    """The time limit is closer than one save and the steps to the next agreement: save, exit, requeue."""
+
+
 class SavePolicy:
-    """When to save: every N steps, every M minutes (rank 0's clock), and when any rank was signalled.
+    """When to save: every N steps, every M minutes or at the auto cadence (rank 0's clock), when asked to (a
+    ``save-now`` file in the run folder), before the job's time limit, and when any rank was signalled.
 
     Every ``poll_steps`` steps (and when asked, e.g. at an epoch end) one small all-reduce of host tensors tells every
-    rank whether anyone was signalled and whether a timed save is due, so all ranks stop or save together.
+    rank whether anyone was signalled and whether a save is due, so all ranks stop or save together.
     """
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption) -> None:
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, cadence: Cadence | None = None,
+                 deadline: Deadline | None = None, save_now: Path | None = None) -> None:
         self.cfg, self.env, self.preemption = cfg, env, preemption
-        self.last_save = time.monotonic()
+        self.cadence, self.deadline, self.save_now = cadence, deadline, save_now
+        self.last_save = self.last_poll = time.monotonic()
+        self.poll_span_s = 0.0
+        """The longest time between two polls so far: how late the ranks may learn of a deadline."""
 
-    def poll(self, step: int, force: bool = False) -> tuple[int, bool]:
-        """Collective at a step boundary: (signal number any rank received or 0, whether a save is due now)."""
+    def margin_s(self) -> float:
+        """Time a last save needs before the limit: twice (one save + the steps to the next poll), plus slack."""
+        stall = self.cadence.stall_s if self.cadence else FIRST_STALL_S
+        return 2 * (stall + self.poll_span_s) + SLACK_S
+
+    def _rank0_flags(self) -> tuple[bool, bool]:
+        """(a save is due by the clock or on request, the deadline is near): rank 0's view."""
+        since = time.monotonic() - self.last_save
+        timed = self.cfg.every_minutes > 0 and since >= 60 * self.cfg.every_minutes
+        if self.cadence is not None:
+            timed = timed or since >= self.cadence.interval()
+        if self.save_now is not None and self.save_now.exists():
+            self.save_now.unlink(missing_ok=True)
+            timed = True
+        left = self.deadline.left_s() if self.deadline else None
+        return timed, left is not None and left < self.margin_s()
+
+    def poll(self, step: int, force: bool = False) -> Poll:
+        """Collective at a step boundary: what the ranks agree on (see :class:`Poll`)."""
         every = self.cfg.every_steps
         due_by_steps = bool(every and step % every == 0)
         if not force and step % self.cfg.poll_steps:
-            return 0, due_by_steps
-        timed = (self.cfg.every_minutes > 0 and self.env.is_main
-                 and time.monotonic() - self.last_save >= 60 * self.cfg.every_minutes)
-        flags = torch.tensor([self.preemption.signum, int(timed)], dtype=torch.int32)
+            return Poll(due=due_by_steps)
+        now = time.monotonic()
+        self.poll_span_s, self.last_poll = max(self.poll_span_s, now - self.last_poll), now
+        timed, near = self._rank0_flags() if self.env.is_main else (False, False)
+        flags = torch.tensor([self.preemption.signum, int(timed), int(near)], dtype=torch.int32)
         if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
-        signum, timed_any = flags.tolist()
-        return signum, due_by_steps or bool(timed_any)
+        signum, timed_any, near_any = flags.tolist()
+        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any))
 
-    def saved(self) -> None:
-        """A save just finished: the timed interval starts again."""
+    def saved(self, stall_s: float) -> None:
+        """A save just finished, stalling training ``stall_s``: the timed interval starts again."""
         self.last_save = time.monotonic()
+        if self.cadence is not None:
+            self.cadence.saved(stall_s)

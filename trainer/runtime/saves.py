@@ -1,5 +1,5 @@
 """A run's saves as the session takes them: the checkpointer (either format), when to save (the policy), and what
-each save cost the training ranks (its stall), recorded in the event log. The cadence and deadline work lands here."""
+each save cost the training ranks (its stall), recorded in the event log and fed to the save policy's cadence."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Saves:
         stall = time.perf_counter() - started  # training waited this long (the copy, for async saves)
         self.stall_s += stall
         self.saved_step, self.last_path = step, path
-        self.policy.saved()
+        self.policy.saved(stall)
         if self.is_main:  # a background save's size is not known yet: its time is the stall
             size = _size_on_disk(path) if blocking else None
             self.events.emit("checkpoint", durable=True, step=step, stall_s=round(stall, 4), blocking=blocking,

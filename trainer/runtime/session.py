@@ -53,6 +53,7 @@ from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.runtime import attempts
 from trainer.runtime.batches import plan
+from trainer.runtime.cadence import Cadence, Deadline
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
@@ -109,6 +110,8 @@ class Session:
         self.steps_here = 0
         """Steps this process finished."""
         self.preempted_by: signal.Signals | None = None
+        self.deadline = False
+        """The job's time limit was near (no signal came in time): saved, and ``finish`` asks for a requeue."""
         self.summary: dict[str, Any] = {}
         """What ``finish`` wrote to result.json (on every rank)."""
         self.started_at = process_start()
@@ -226,7 +229,7 @@ class Session:
         checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
                                          self.cfg.checkpoint.keep, self.faults.save_delay_s,
                                          on_write=self._heartbeat.alive, model=self.model)
-        self._saves = Saves(checkpointer, SavePolicy(self.cfg.checkpoint, self.env, self.preemption), self._heartbeat,
+        self._saves = Saves(checkpointer, self._policy(), self._heartbeat,
                             self.events, self.env.is_main, (self.step, self.resumed.path) if self.resumed else None)
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
@@ -237,6 +240,17 @@ class Session:
 
     def _run(self) -> RunDir:
         return _opened(self.run)
+
+    def _policy(self) -> SavePolicy:
+        """When to save: rank 0 keeps the clock, the auto cadence, the job's deadline and the save-now file."""
+        c, main, path = self.cfg.checkpoint, self.env.is_main, self._run().path
+        cadence = Cadence(path, self.env.num_nodes, c.mtbf_hours or self.job.mtbf_hours) \
+            if main and c.cadence == "auto" else None
+        deadline = Deadline(self.env.job_id, self.faults.end_in_s) if main else None
+        policy = SavePolicy(c, self.env, self.preemption, cadence, deadline, path / "save-now" if main else None)
+        if cadence is not None:
+            self.print(cadence.news() or "")
+        return policy
 
     # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
@@ -281,19 +295,25 @@ class Session:
         # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
         self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2"))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
-        signum, due = self.saves.policy.poll(step, force_poll)
+        poll = self.saves.policy.poll(step, force_poll)
         if force_poll or step % self.cfg.checkpoint.poll_steps == 0:
             self.events.emit("progress", step=step)
-        if signum and self.preempted_by is None:
-            self.events.emit("signal", durable=True, step=step, signal=signal.Signals(signum).name)
-        if signum:
-            self.preempted_by = signal.Signals(signum)
-        return due or bool(signum)
+        if poll.signum and self.preempted_by is None:
+            self.events.emit("signal", durable=True, step=step, signal=signal.Signals(poll.signum).name)
+        if poll.signum:
+            self.preempted_by = signal.Signals(poll.signum)
+        elif poll.deadline and not self.deadline:  # no signal came (or none was asked for): the time limit is near
+            left = self.saves.policy.deadline.left_s() if self.saves.policy.deadline else None
+            self.events.emit("deadline", durable=True, step=step, left_s=None if left is None else round(left, 1),
+                             margin_s=round(self.saves.policy.margin_s(), 1))
+            self.deadline = True
+        return poll.due or self.preempted
 
     @property
     def preempted(self) -> bool:
-        """A preemption was agreed: save (``should_save`` said so), leave the loop, return ``finish()``."""
-        return self.preempted_by is not None
+        """A preemption or the time limit was agreed: save (``should_save`` said so), leave the loop, return
+        ``finish()``."""
+        return self.preempted_by is not None or self.deadline
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
         """Collective: checkpoint every restored object at ``step`` (asynchronous per ``checkpoint.async_save``,
@@ -305,6 +325,8 @@ class Session:
         state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
         path = self.saves.save(state, through_dcp, step, blocking)
         self.tracker.flush()
+        if self.saves.policy.cadence is not None and (news := self.saves.policy.cadence.news()):
+            self.print(news)
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
@@ -316,11 +338,12 @@ class Session:
         if self.saves.saved_step != self.step:
             self.save(self.step)
         path = str(self.last_path)
-        if self.preempted_by is not None:
-            run.mark_requeue({"signal": self.preempted_by.name, "checkpoint": path, "step": self.step})
+        if self.preempted:
+            why = self.preempted_by.name if self.preempted_by else "deadline"
+            run.mark_requeue({"signal": why, "checkpoint": path, "step": self.step})
             torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
-            self.print(f"\n{self.preempted_by.name} received: saved {path} at step {self.step}; "
-                       f"exiting with {EXIT_REQUEUE} so the launcher requeues")
+            self.print(f"\n{why if self.preempted_by else 'the time limit is near'}: saved {path} at step "
+                       f"{self.step}; exiting with {EXIT_REQUEUE} so the launcher requeues")
             self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
         summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,

@@ -34,6 +34,8 @@ class Faults:
     only_restart: int = -1
     """Inject the faults only in this attempt of a Slurm job (its restart count; -1: in every attempt), so a retried
     attempt runs clean (a restart inside the allocation, attempt "0.1", too)."""
+    end_in_s: float = 0.0
+    """The job's time limit is this many seconds after the session starts (what squeue reports under Slurm)."""
     doctor_fail_node: str = ""
     """The preflight doctor fails on the node of this name (Slurm's), as a broken GPU or mount would."""
 

@@ -1,0 +1,146 @@
+"""Checkpoint cadence that sets itself (Young/Daly from measured stalls and interruptions), the deadline save before
+the time limit, and saving on request; real processes where the runtime acts, tables for the arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
+from trainer.runtime.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
+
+from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
+
+
+@pytest.mark.parametrize(("stall", "mtbf", "expected"), [
+    (2.0, 4 * 3600, math.sqrt(2 * 2 * 4 * 3600)),   # 240 s: the formula, inside the bounds
+    (8.0, 4 * 3600, math.sqrt(2 * 8 * 4 * 3600)),   # 4 × the stall: 2 × the interval
+    (0.01, 3600, MIN_INTERVAL_S),                    # a cheap save still waits the floor
+    (30.0, 3600, 30.0 / 0.05),                       # an expensive one: at most 5 % of the time saving
+    (60.0, 10 * 365 * 86400, MAX_INTERVAL_S),        # a cluster that never fails still saves every 4 h
+])
+def test_the_interval_follows_young_daly_within_its_bounds(stall: float, mtbf: float, expected: float) -> None:
+    assert interval_s(stall, mtbf) == pytest.approx(expected)
+
+
+def _events(run: Path, lines: list[dict[str, object]]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+
+def test_interruptions_and_stalls_come_from_the_run_history(tmp_path: Path) -> None:
+    """Two attempts killed without a word (no exit event), one preempted with a save: two interruptions count."""
+    _events(tmp_path, [
+        {"t": 0.0, "event": "attempt", "started": 0.0}, {"t": 100.0, "event": "checkpoint", "stall_s": 3.0},
+        {"t": 200.0, "event": "attempt", "started": 200.0}, {"t": 300.0, "event": "checkpoint", "stall_s": 5.0},
+        {"t": 400.0, "event": "attempt", "started": 400.0}, {"t": 500.0, "event": "exit", "code": 75},
+    ])  # the attempt now starting has written nothing yet
+    ran, lost, stalls = history(tmp_path)
+    assert (ran, lost, stalls) == (300.0, 2, [3.0, 5.0])
+    c = Cadence(tmp_path, nodes=4, prior_hours=8)
+    assert c.stall_s == 5.0 and c.mtbf_s == pytest.approx((300 + 2 * 3600) / 3, rel=1e-3)
+    first = c.news()
+    assert first and first.startswith("checkpoint cadence: saving every") and "2 seen, prior 2 h" in first
+    before = c.interval()
+    c.saved(45.0)  # storage got slower: the interval grows, and it says so
+    assert c.stall_s == 25.0 and c.interval() > before and (c.news() or "").count("a save stalls 25 s") == 1
+    assert c.news() is None  # nothing new
+
+
+def test_a_fresh_run_assumes_a_second_per_save_until_it_measures_one(tmp_path: Path) -> None:
+    c = Cadence(tmp_path, nodes=1, prior_hours=24)
+    assert c.stall_s == 1.0 and c.interval() == pytest.approx(math.sqrt(2 * 86400), rel=1e-3)
+    c.saved(4.0)
+    assert c.stall_s == 4.0  # the guess is replaced, not averaged
+
+
+DEADLINE_ARGS = [*SMALL, "train.epochs=2", "checkpoint.poll_steps=1"]
+
+
+def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_an_uninterrupted_one(
+        tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([*DEADLINE_ARGS, f"run.dir={ref}"], tmp_path, nproc=2))
+    started = time.time()
+    ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=20, step_delay_s=0.5))
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75, 75], outs[0]
+    assert "the time limit is near: saved" in outs[0]
+    marker = json.loads((run / "requeue.json").read_text())
+    assert marker["signal"] == "deadline"
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    near = next(e for e in events if e["event"] == "deadline")
+    saved = [e for e in events if e["event"] == "checkpoint"][-1]
+    assert 0 < near["left_s"] < near["margin_s"] and saved["step"] == marker["step"]
+    assert saved["t"] < started + 20, (saved, started)  # the save ended before the limit, not after it
+    ok(run_trainer([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, nproc=2))
+    assert result_of(run)["param_checksums"] == result_of(ref)["param_checksums"]
+
+
+def test_the_verdict_counts_time_limit_requeues_apart_and_stops_a_run_that_cannot_progress(tmp_path: Path) -> None:
+    (tmp_path / "requeue.json").write_text(json.dumps({"signal": "deadline", "step": 7}))
+    v = with_deadline(Verdict("preempted", "saved after the warning signal", step=7), tmp_path)
+    assert v.cause == DEADLINE
+    limits = Limits(max_requeues=1, max_failures=1, suspects=tmp_path / "s.json", suspect_hours=1)
+    before = [{"class": "preempted", "cause": "saved after the warning signal"}, {"class": "preempted", "cause": DEADLINE,
+                                                                                   "step": 3}]
+    action, why = decide(v, before, limits)  # max_requeues=1 is spent on the preemption, not on time limits
+    assert action == "requeue" and "requeue 2 (not counted against max_requeues)" in why
+    action, why = decide(v, [*before, {"class": "preempted", "cause": DEADLINE, "step": 7}], limits)
+    assert action == "fail" and "no step was trained since the last time (step 7)" in why
+    (tmp_path / "requeue.json").write_text(json.dumps({"signal": "SIGUSR2", "step": 7}))
+    assert with_deadline(Verdict("preempted", "saved after the warning signal", step=7), tmp_path).cause != DEADLINE
+
+
+def test_auto_cadence_measures_the_injected_save_cost_and_says_its_interval(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*SMALL, "checkpoint.cadence=auto", "checkpoint.every_steps=4", "checkpoint.mtbf_hours=2",
+                           f"run.dir={run}"], tmp_path, env=faults(save_delay_s=3)))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("checkpoint cadence:")]
+    assert "a save stalls 1 s, interruptions every 2 h (0 seen, prior 2 h)" in lines[0], lines
+    stalls = [json.loads(x)["stall_s"] for x in (run / "events.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "checkpoint"]
+    assert min(stalls) >= 3
+    m = re.search(r"saving every ([\d.]+) (s|min): a save stalls ([\d.]+) s", lines[-1])
+    assert m and float(m[3]) >= 3, lines  # the measured cost replaced the first guess
+    expected = interval_s(float(m[3]), 2 * 3600)
+    assert float(m[1]) * (60 if m[2] == "min" else 1) == pytest.approx(expected, rel=0.05), lines
+
+
+def test_save_now_saves_at_the_next_poll_and_training_goes_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *SMALL, "checkpoint.poll_steps=1", f"run.dir={run}"],
+                            cwd=tmp_path, env=clean_env(faults(step_delay_s=0.3)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (run / "config.yaml").exists() or "first_step" not in (run / "events.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    asked = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(run)], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert asked.returncode == 0 and "asked" in asked.stdout
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    saves = [json.loads(x)["step"] for x in (run / "events.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "checkpoint"]
+    assert len(saves) == 2 and saves[0] < saves[1] == 32 and not (run / "save-now").exists(), saves
+    bad = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and "is not a run folder" in bad.stderr
+
+
+def test_fixed_cadence_keeps_its_saves(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ok(run_trainer([*SMALL, "checkpoint.every_steps=5", f"run.dir={run}"], tmp_path))
+    steps = [json.loads(x)["step"] for x in (run / "events.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "checkpoint"]
+    assert steps == [5, 10, 15, 20, 25, 30, 32]
+    assert torch.load(result_of(run)["checkpoint"], weights_only=True)["step"] == 32

@@ -1,0 +1,119 @@
+"""When to save on its own (``checkpoint.cadence=auto``), and the job's deadline (its Slurm end time).
+
+Young (1974) and Daly (2006): with saves that stall training C seconds and interruptions every M seconds on average,
+saving every τ ≈ √(2·C·M) loses the least (C/τ spent saving, τ/2 recomputed per interruption). C is measured: each
+save's stall on rank 0 (an async save's copy only), and before this run saved, the stalls in its event log. M counts
+only interruptions nobody announced (a rank killed, a node lost: an attempt that ended without saving), since a
+preemption with a warning signal loses almost nothing: M = (node-free time observed + M₀) / (interruptions + 1), where
+M₀ = ``mtbf_hours`` (per node) / nodes is the prior. The answer is clamped so that saving never takes more than 5 %
+of the time, and a run saves at least every ``MAX_INTERVAL_S``.
+
+Rank 0 reads the end time with ``squeue`` (Slurm 22.05 has no variable for it; a time limit can change while the job
+runs) in a thread every ``READ_EVERY_S``, and asks for a last save when the time left is below twice (one save + the
+steps until the ranks next agree) plus ``SLACK_S``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from trainer.runtime.attempts import attempts
+
+MIN_INTERVAL_S = 30.0
+MAX_INTERVAL_S = 4 * 3600.0
+MAX_OVERHEAD = 0.05
+"""The interval is at least stall / MAX_OVERHEAD: saving never takes more than 5 % of the time."""
+FIRST_STALL_S = 1.0
+"""The stall assumed before any save of the run was measured."""
+READ_EVERY_S = 300.0
+SLACK_S = 15.0
+
+
+def interval_s(stall_s: float, mtbf_s: float) -> float:
+    """Young/Daly's √(2·C·M), within [max(MIN_INTERVAL_S, C / MAX_OVERHEAD), MAX_INTERVAL_S]."""
+    low = max(MIN_INTERVAL_S, stall_s / MAX_OVERHEAD)
+    return min(MAX_INTERVAL_S, max(low, math.sqrt(2 * stall_s * mtbf_s)))
+
+
+def history(run_dir: Path) -> tuple[float, int, list[float]]:
+    """From a run's event log, before this attempt writes to it: (seconds its earlier attempts ran, how many ended
+    unannounced, their save stalls)."""
+    runs = attempts(run_dir)
+    ran = sum(a.end - a.start for a in runs)
+    lost = sum(1 for a in runs if a.exit_code not in (0, 75) or a.verdict.get("class") == "infrastructure")
+    stalls = [float(e["stall_s"]) for a in runs for e in a.times("checkpoint") if "stall_s" in e]
+    return ran, lost, stalls
+
+
+def _words(seconds: float) -> str:
+    return f"{seconds / 3600:.3g} h" if seconds >= 5400 else f"{seconds / 60:.3g} min" if seconds >= 90 else \
+        f"{seconds:.3g} s"
+
+
+class Cadence:
+    """Rank 0's answer to "how long between saves", re-derived as stalls are measured."""
+
+    def __init__(self, run_dir: Path, nodes: int, prior_hours: float) -> None:
+        ran, self.lost, stalls = history(run_dir)
+        self.prior_s = prior_hours * 3600 / max(1, nodes)
+        self.ran_s, self.started = ran, time.monotonic()
+        self.stall_s = max(stalls[-3:]) if stalls else FIRST_STALL_S
+        self.measured = bool(stalls)
+        self.said = 0.0
+
+    @property
+    def mtbf_s(self) -> float:
+        observed = self.ran_s + time.monotonic() - self.started
+        return (observed + self.prior_s) / (self.lost + 1)
+
+    def interval(self) -> float:
+        return interval_s(self.stall_s, self.mtbf_s)
+
+    def saved(self, stall_s: float) -> None:
+        """A save stalled training this long: the newest measurement weighs most (storage changes speed)."""
+        self.stall_s = 0.5 * (self.stall_s + stall_s) if self.measured else stall_s
+        self.measured = True
+
+    def news(self) -> str | None:
+        """One line when the interval is first derived or moved by a quarter since it was last said."""
+        now = self.interval()
+        if self.said and abs(now - self.said) < 0.25 * self.said:
+            return None
+        self.said = now
+        return (f"checkpoint cadence: saving every {_words(now)}: a save stalls {self.stall_s:.2g} s, interruptions "
+                f"every {_words(self.mtbf_s)} ({self.lost} seen, prior {_words(self.prior_s)})")
+
+
+class Deadline:
+    """The job's end time, read by rank 0 in a thread (``end_in_s``: a test's fixed end, seconds from now)."""
+
+    def __init__(self, job_id: str | None, end_in_s: float = 0.0) -> None:
+        self.end: float | None = time.time() + end_in_s if end_in_s > 0 else None
+        self.job_id = job_id
+        if job_id and not end_in_s and shutil.which("squeue"):
+            threading.Thread(target=self._watch, name="trainer-deadline", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            self.end = _end_time(self.job_id or "") or self.end
+            time.sleep(READ_EVERY_S)
+
+    def left_s(self) -> float | None:
+        """Seconds to the time limit, or None without one."""
+        return None if self.end is None else self.end - time.time()
+
+
+def _end_time(job_id: str) -> float | None:
+    """The job's end time from squeue (None: unknown, unlimited, or squeue unreachable)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "SLURM_TIME_FORMAT": "%s"}).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return float(out) if out.isdigit() else None
