@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import cadence
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, clean_env, each, machine, pairs, show, spread, trainer_run
 from benchmarks.gpu import dp_vs_ddp, precision_rows
@@ -103,6 +104,8 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"- {title}:")
             out += [f"  - {json.dumps(r)}" for r in rows]
     out += sharded_section(results["sharded"])
+    if "cadence" in results:
+        out += cadence.section(results["cadence"])
     return "\n".join(out) + "\n"
 
 
@@ -223,6 +226,7 @@ def main() -> int:
         results["precision"] = precision_rows(repeats, a.smoke)
         dim, layers = (64, 2) if a.smoke else (256, 4)
         results["sharded"] = {"memory": memory_rows(dim, layers), "saves": save_pairs(repeats, dim, layers)}
+        results["cadence"] = cadence.simulate()
     results["took_s"] = time.perf_counter() - started
     (a.out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     (a.out / "benchmarks.md").write_text(render(results))

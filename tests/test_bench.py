@@ -27,3 +27,6 @@ def test_bench_smoke(tmp_path: Path) -> None:
     memory = {(m["strategy"], m["processes"]): m["total"] for m in results["sharded"]["memory"]}
     assert memory[("fsdp", 2)] < 0.6 * memory[("ddp", 2)]  # each rank keeps about half (the split is exact, not timed)
     assert results["sharded"]["saves"]["pairs"][0]["dcp_sync_s"] > 0
+    first = results["cadence"][0]  # the simulated policy: Young/Daly's interval loses less than far-off fixed ones
+    assert first["vs_auto"]["1 min"]["median"] > 1 and first["vs_auto"]["60 min"]["median"] > 1
+    assert "## 6. Checkpoint cadence under simulated interruptions" in page

@@ -144,3 +144,21 @@ def test_fixed_cadence_keeps_its_saves(tmp_path: Path) -> None:
              if json.loads(x)["event"] == "checkpoint"]
     assert steps == [5, 10, 15, 20, 25, 30, 32]
     assert torch.load(result_of(run)["checkpoint"], weights_only=True)["step"] == 32
+
+
+def test_the_report_sets_the_loss_the_cadence_expected_against_the_loss_seen(tmp_path: Path) -> None:
+    from trainer.report import table
+    from trainer.runtime.attempts import attempts, figures
+
+    _events(tmp_path, [
+        {"t": 0.0, "event": "attempt", "started": 0.0, "resumed_step": 0, "processes": 1},
+        {"t": 1.0, "event": "cadence", "interval_s": 120.0, "stall_s": 0.5, "mtbf_s": 14400},
+        {"t": 10.0, "event": "first_step", "step": 1}, {"t": 15.0, "event": "checkpoint", "step": 5, "stall_s": 0.5},
+        {"t": 20.0, "event": "progress", "step": 10},  # then killed: no exit event
+        {"t": 30.0, "event": "attempt", "started": 30.0, "resumed_step": 5, "processes": 1},
+        {"t": 40.0, "event": "exit", "code": 0, "step": 12},
+    ])
+    f = figures(attempts(tmp_path))
+    assert f["cadence"] == {"interval_s": 120.0, "expected_lost_s": 60.0, "measured_lost_s": 5.0, "interruptions": 1}
+    assert ("auto cadence: saving every 120 s; work lost per unannounced interruption: 60.0 s expected, 5.0 s "
+            "measured over 1; 0.50 s spent saving") in table(f)

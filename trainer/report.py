@@ -37,6 +37,11 @@ def table(f: dict[str, Any]) -> str:
                  f"{f['allocated_node_s']:.1f} allocated node-seconds); {f['lost_steps']} steps recomputed after "
                  f"requeues; checkpoint stall {f['stall_s']:.2f} s; recovery {f['recovery_s']['preempted']:.1f} s "
                  f"from preemptions, {f['recovery_s']['failure']:.1f} s from failures")
+    c = f.get("cadence")
+    if c:  # did the cadence pay off: the loss it planned for against the loss seen
+        seen = f"{c['measured_lost_s']:.1f} s measured over {c['interruptions']}" if c["interruptions"] else "none seen"
+        lines.append(f"auto cadence: saving every {c['interval_s']:.0f} s; work lost per unannounced interruption: "
+                     f"{c['expected_lost_s']:.1f} s expected, {seen}; {f['stall_s']:.2f} s spent saving")
     sizes = [str(r["processes"]) for r in f["attempts"] if r["processes"]]
     if len(set(sizes)) > 1:  # a job resumed on another number of processes (a node range, a manual resume)
         lines.append(f"processes per attempt: {' → '.join(sizes)}")

@@ -103,7 +103,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "ended": a.verdict.get("class"), "cause": a.verdict.get("cause"),
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
-            "recovery_s": recovery(rows),
+            "recovery_s": recovery(rows), "cadence": cadence(runs, rows),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
 
@@ -117,6 +117,17 @@ def recovery(rows: list[dict[str, Any]]) -> dict[str, float]:
         if kind:
             out[kind] += row["lost_s"] + after["gap_before_s"] + after["startup_s"]
     return out
+
+
+def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The auto cadence's last interval, the work it expects an unannounced interruption to lose (half an interval)
+    and what such interruptions lost here (attempts that ended without a save or a finish); None without it."""
+    said = [e for a in runs for e in a.times("cadence")]
+    if not said:
+        return None
+    cut = [r["lost_s"] for r in rows[:-1] if r["exit"] not in (0, 75)]
+    return {"interval_s": said[-1]["interval_s"], "expected_lost_s": said[-1]["interval_s"] / 2,
+            "measured_lost_s": sum(cut) / len(cut) if cut else None, "interruptions": len(cut)}
 
 
 def summary(f: dict[str, Any]) -> dict[str, float]:

@@ -248,9 +248,16 @@ class Session:
             if main and c.cadence == "auto" else None
         deadline = Deadline(self.env.job_id, self.faults.end_in_s) if main else None
         policy = SavePolicy(c, self.env, self.preemption, cadence, deadline, path / "save-now" if main else None)
-        if cadence is not None:
-            self.print(cadence.news() or "")
+        self._cadence_news(cadence)
         return policy
+
+    def _cadence_news(self, cadence: Cadence | None) -> None:
+        """Say the auto cadence's interval when it is new or moved (a line, and a ``cadence`` event for the report)."""
+        news = cadence.news() if cadence else None
+        if cadence and news:
+            self.print(news)
+            self.events.emit("cadence", interval_s=round(cadence.interval(), 1), stall_s=round(cadence.stall_s, 3),
+                             mtbf_s=round(cadence.mtbf_s))
 
     # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
@@ -325,8 +332,7 @@ class Session:
         state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
         path = self.saves.save(state, through_dcp, step, blocking)
         self.tracker.flush()
-        if self.saves.policy.cadence is not None and (news := self.saves.policy.cadence.news()):
-            self.print(news)
+        self._cadence_news(self.saves.policy.cadence)
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
