@@ -199,13 +199,14 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
     ]
 
 
-def run_dir_lines(default: str, warning: str, start: bool = True) -> list[str]:
+def run_dir_lines(default: str, warning: str, grace_s: int, start: bool = True) -> list[str]:
     """``$RUN_DIR``: exported (commands and the session API write there), absolute (mounted into containers by that
     path), and without an earlier attempt's requeue marker (only this attempt's may trigger a requeue); and
-    ``$TRAINER_SIGNAL``, the signal Slurm warns the job with (``warning``), on which the session saves."""
+    ``$TRAINER_SIGNAL``, the signal Slurm warns the job with (``warning``), on which the session saves, and how long
+    before the time limit (``$TRAINER_SIGNAL_GRACE_S``: a signal then is the limit's, not a preemption)."""
     return [
         # A requeued job keeps its id, so it finds its run folder (and checkpoints) again.
-        f"export RUN_DIR=${{RUN_DIR:-{default}}} TRAINER_SIGNAL=SIG{warning}",
+        f"export RUN_DIR=${{RUN_DIR:-{default}}} TRAINER_SIGNAL=SIG{warning} TRAINER_SIGNAL_GRACE_S={grace_s}",
         'mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)',
         'rm -f "$RUN_DIR/requeue.json"',
         "# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.",
@@ -256,7 +257,8 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
         *([f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []),
-        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, start=not p.spare_nodes),
+        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
+                       start=not p.spare_nodes),
         "",
         *flight_recorder(p, "$RUN_DIR"),
     ]

@@ -73,7 +73,8 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += [f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
-    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2")  # submitit warns with USR2
+    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2",  # submitit warns with USR2
+                           p.signal_grace_s)
     host = host_python(p, python_for(p))
     teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)",
                 *requeue_rule(p, host, report=command and not inside)]
@@ -155,6 +156,10 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
                         "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
+    if p.signal_grace_s == 0 and (launcher == "submitit" or p.requeue_on_signal):
+        raise UserError("profile.signal_grace_s", "0 (no warning signal) needs the sbatch launcher, and a command that "
+                        "saves itself: submitit always warns, and requeue_on_signal stops a command on the warning",
+                        "signal_grace_s: 120 (time for one save), or LAUNCHER=sbatch without requeue_on_signal")
     if dry_run:
         print(sbatch_script(p, args, command) if launcher == "sbatch" else submitit_script(p, args, command), end="")
         if launcher == "submitit":  # the task itself travels as a pickle, not in the script

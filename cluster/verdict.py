@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
         traceback.print_exc()
         marker = (Path(ns.run_dir) / "requeue.json").exists()
-        if (ns.rc == EXIT_REQUEUE or marker) and int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ns.max_requeues:
+        limit = with_deadline(Verdict(exits.PREEMPTED, ""), Path(ns.run_dir)).cause == DEADLINE  # not counted
+        if (ns.rc == EXIT_REQUEUE or marker) and (limit or int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ns.max_requeues):
             print("verdict failed (above): requeueing the saved run by the plain rule", file=sys.stderr)
             return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), [], []) is None else ns.rc
         return ns.rc or 1

@@ -162,3 +162,107 @@ def test_the_report_sets_the_loss_the_cadence_expected_against_the_loss_seen(tmp
     assert f["cadence"] == {"interval_s": 120.0, "expected_lost_s": 60.0, "measured_lost_s": 5.0, "interruptions": 1}
     assert ("auto cadence: saving every 120 s; work lost per unannounced interruption: 60.0 s expected, 5.0 s "
             "measured over 1; 0.50 s spent saving") in table(f)
+
+
+def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_path: Path) -> None:
+    """Two attempts SIGKILLed after a few steps (unannounced), one preempted with a save (announced): the next attempt
+    counts 2 interruptions and derives its interval from them, the measured stall and the prior."""
+    run = tmp_path / "run"
+    args = [*SMALL, "checkpoint.cadence=auto", "checkpoint.mtbf_hours=1", "checkpoint.every_steps=2",
+            "checkpoint.poll_steps=1", f"run.dir={run}"]
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+                                env=clean_env(faults(step_delay_s=0.2)), stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text().count('"checkpoint"') < 1:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+    assert run_trainer(args, tmp_path, env=faults(preempt_at_step=3)).returncode == 75
+    last = ok(run_trainer(args, tmp_path))
+    line = next(x for x in last.stdout.splitlines() if x.startswith("checkpoint cadence:"))
+    assert "(2 seen, prior 60 min)" in line, line
+    ran, lost, stalls = history(run)
+    assert lost == 2 and ran > 0 and stalls
+    from trainer.runtime.attempts import attempts, figures
+
+    f = figures(attempts(run))  # the cadence lines sit in their own attempts: no negative gaps, a cadence row
+    assert len(f["attempts"]) == 4 and all(r["gap_before_s"] >= 0 for r in f["attempts"]) and f["cadence"]
+    assert f["cadence"]["interruptions"] == 2
+
+
+
+class _Limit:
+    """A Deadline whose time left is set by the test."""
+
+    def __init__(self, left: float | None) -> None:
+        self.left = left
+
+    def left_s(self) -> float | None:
+        return self.left
+
+
+def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0):  # type: ignore[no-untyped-def]
+    from trainer.core.config import CheckpointConfig
+    from trainer.core.env import DistEnv
+    from trainer.runtime.preemption import Preemption, SavePolicy
+
+    env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
+    cfg = CheckpointConfig(async_save=async_save, poll_steps=1)
+    return SavePolicy(cfg, env, Preemption(()), deadline=_Limit(left), save_s=save_s)  # type: ignore[arg-type]
+
+
+def test_the_deadline_margin_covers_the_longest_blocking_save_and_the_steps_to_the_next_poll() -> None:
+    from trainer.runtime.cadence import SLACK_S
+
+    p = _policy(left=1000.0)
+    assert p.margin_s() == pytest.approx(2 * 1.0 + SLACK_S)
+    p.saved(6.0, blocking=False)  # an async save's copy: not what a last, blocking save takes
+    p.saved(4.0, blocking=True)
+    assert p.save_s == 4.0 and p.margin_s() == pytest.approx(2 * 4.0 + SLACK_S)
+    assert _policy(1000.0, async_save=True, save_s=4.0).margin_s() == pytest.approx(2 * 8.0 + SLACK_S)  # one in flight
+    time.sleep(0.3)  # the first span (start-up, compiling, a first evaluation) does not count; later ones do
+    p.poll(1)
+    assert p.poll_span_s == 0.0
+    p.poll(2)
+    p.poll(3)
+    assert 0 < p.poll_span_s < 0.3 and not p.poll(4).deadline
+    p.deadline.left = p.margin_s() - 1  # type: ignore[union-attr]
+    assert p.poll(5).deadline
+    assert _policy(None).poll(1) == _policy(None).poll(1)  # no time limit: never a deadline
+
+
+@pytest.mark.parametrize(("left", "grace", "at_limit"), [
+    (100.0, 120.0, True),     # the profile's warning, on time
+    (170.0, 120.0, True),     # Slurm may send it up to a minute early
+    (400.0, 120.0, False),    # a preemption (scancel --signal, a higher-priority job) earlier on
+    (50.0, 0.0, True),        # no warning asked for: only a signal inside the margin and that minute
+    (None, 120.0, False),     # no time limit known
+])
+def test_a_warning_signal_near_the_limit_is_the_limits(left: float | None, grace: float, at_limit: bool) -> None:
+    assert _policy(left).signal_at_limit(grace) is at_limit
+
+
+def test_the_end_time_comes_from_squeue_and_a_missing_one_is_none(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.runtime.cadence import _end_time
+
+    fake = tmp_path / "squeue"
+    fake.write_text('#!/bin/sh\n[ "$SLURM_TIME_FORMAT" = %s ] && [ "$3" = 42 ] && echo 1795600000 || echo Unknown\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert _end_time("42") == 1795600000.0 and _end_time("43") is None
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert _end_time("42") is None
+
+
+def test_profiles_pass_the_grace_and_the_prior_and_may_drop_the_signal(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.__main__ import main as cluster_main
+
+    assert cluster_main(["submit", "--launcher", "sbatch", "--dry-run", "--set", "signal_grace_s=0",
+                         "--set", "mtbf_hours=6"]) == 0
+    out = capsys.readouterr().out
+    assert "--signal" not in out and "TRAINER_SIGNAL_GRACE_S=0" in out and "export TRAINER_MTBF_HOURS=6" in out
+    assert cluster_main(["submit", "--dry-run", "--set", "signal_grace_s=0"]) == 2  # submitit always warns
+    assert "error: profile.signal_grace_s: 0 (no warning signal) needs the sbatch launcher" in capsys.readouterr().err

@@ -26,7 +26,7 @@ TRAINER_VARIABLES = (
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
-    "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS",
+    "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -75,6 +75,9 @@ class JobInfo:
     warning_signal: str | None = None
     """TRAINER_SIGNAL: the signal Slurm warns this job with (e.g. SIGUSR2), set by the batch script and by
     `python -m trainer.launch`; it saves like SIGUSR2 and SIGTERM."""
+    signal_grace_s: float = 0.0
+    """TRAINER_SIGNAL_GRACE_S: how long before the time limit the warning signal comes (the profile's
+    signal_grace_s): a signal then is the limit's, and its requeue is not counted as a preemption."""
     mtbf_hours: float = 24.0
     """TRAINER_MTBF_HOURS: hours between failures of one node (the profile's mtbf_hours, exported by the batch
     script), the auto checkpoint cadence's prior; checkpoint.mtbf_hours overrides it."""
@@ -105,17 +108,18 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         run_dir=env.get("RUN_DIR") or None,
         warning_signal=env.get("TRAINER_SIGNAL") or None,
         checksum=env.get("TRAINER_CHECKSUM") == "1",
-        mtbf_hours=_hours(env.get("TRAINER_MTBF_HOURS")),
+        signal_grace_s=_positive(env.get("TRAINER_SIGNAL_GRACE_S"), 0.0),
+        mtbf_hours=_positive(env.get("TRAINER_MTBF_HOURS"), 24.0),
     )
 
 
-def _hours(text: str | None) -> float:
+def _positive(text: str | None, default: float) -> float:
+    """A positive number the batch script rendered from the profile (checked there); anything else: ``default``."""
     try:
-        value = float(text or 24)
+        value = float(text or default)
     except ValueError:
-        raise UserError("TRAINER_MTBF_HOURS", f"{text!r} is not a number of hours",
-                        "set the profile's mtbf_hours to a positive number, e.g. 24") from None
-    return value if value > 0 else 24.0
+        return default
+    return value if value > 0 else default
 
 
 @dataclass(frozen=True)

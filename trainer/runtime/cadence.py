@@ -3,14 +3,14 @@
 Young (1974) and Daly (2006): with saves that stall training C seconds and interruptions every M seconds on average,
 saving every τ ≈ √(2·C·M) loses the least (C/τ spent saving, τ/2 recomputed per interruption). C is measured: each
 save's stall on rank 0 (an async save's copy only), and before this run saved, the stalls in its event log. M counts
-only interruptions nobody announced (a rank killed, a node lost: an attempt that ended without saving), since a
-preemption with a warning signal loses almost nothing: M = (node-free time observed + M₀) / (interruptions + 1), where
+only interruptions nobody announced (an attempt killed without an exit, or one the verdict classed as infrastructure),
+since a preemption with a warning signal loses almost nothing: M = (node-free time observed + M₀) / (interruptions + 1), where
 M₀ = ``mtbf_hours`` (per node) / nodes is the prior. The answer is clamped so that saving never takes more than 5 %
 of the time, and a run saves at least every ``MAX_INTERVAL_S``.
 
 Rank 0 reads the end time with ``squeue`` (Slurm 22.05 has no variable for it; a time limit can change while the job
-runs) in a thread every ``READ_EVERY_S``, and asks for a last save when the time left is below twice (one save + the
-steps until the ranks next agree) plus ``SLACK_S``.
+runs) in a thread every ``READ_EVERY_S``, and asks for a last save when the time left is below twice (the longest
+blocking save + the steps until the ranks next agree) plus ``SLACK_S`` (see ``SavePolicy.margin_s``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ MAX_OVERHEAD = 0.05
 FIRST_STALL_S = 1.0
 """The stall assumed before any save of the run was measured."""
 READ_EVERY_S = 300.0
-SLACK_S = 15.0
+SLACK_S = 20.0
+"""Seconds the deadline keeps for the end of the attempt: closing W&B, the processes' exit, the verdict, the requeue."""
+SIGNAL_EARLY_S = 60.0
+"""Slurm may send the --signal warning up to a minute before the time it was asked for (sbatch's manual)."""
 
 
 def interval_s(stall_s: float, mtbf_s: float) -> float:
@@ -46,9 +49,16 @@ def history(run_dir: Path) -> tuple[float, int, list[float]]:
     unannounced, their save stalls)."""
     runs = attempts(run_dir)
     ran = sum(a.end - a.start for a in runs)
-    lost = sum(1 for a in runs if a.exit_code not in (0, 75) or a.verdict.get("class") == "infrastructure")
+    lost = sum(1 for a in runs if a.exit_code == "killed" or a.verdict.get("class") == "infrastructure")
     stalls = [float(e["stall_s"]) for a in runs for e in a.times("checkpoint") if "stall_s" in e]
     return ran, lost, stalls
+
+
+def longest_save_s(run_dir: Path) -> float:
+    """The longest blocking save in a run's event log (a last save before the time limit blocks), at least
+    FIRST_STALL_S."""
+    return max([FIRST_STALL_S, *(float(e["stall_s"]) for a in attempts(run_dir) for e in a.times("checkpoint")
+                                 if e.get("blocking") and "stall_s" in e)])
 
 
 def _words(seconds: float) -> str:
@@ -98,6 +108,9 @@ class Deadline:
         self.job_id = job_id
         if job_id and not end_in_s and shutil.which("squeue"):
             threading.Thread(target=self._watch, name="trainer-deadline", daemon=True).start()
+        elif job_id and not end_in_s:
+            print("note: squeue is not reachable here (a container without Slurm's tools?): no save before the time "
+                  "limit unless the warning signal comes (profile signal_grace_s)", flush=True)
 
     def _watch(self) -> None:
         while True:

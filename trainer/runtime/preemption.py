@@ -13,7 +13,7 @@ import torch.distributed as dist
 from trainer.core.config import CheckpointConfig
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
-from trainer.runtime.cadence import FIRST_STALL_S, SLACK_S, Cadence, Deadline
+from trainer.runtime.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cadence, Deadline, longest_save_s
 
 
 class Preemption:
@@ -53,17 +53,28 @@ class SavePolicy:
     """
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, cadence: Cadence | None = None,
-                 deadline: Deadline | None = None, save_now: Path | None = None) -> None:
+                 deadline: Deadline | None = None, save_now: Path | None = None, save_s: float = FIRST_STALL_S) -> None:
         self.cfg, self.env, self.preemption = cfg, env, preemption
         self.cadence, self.deadline, self.save_now = cadence, deadline, save_now
         self.last_save = self.last_poll = time.monotonic()
+        self.polls = 0
         self.poll_span_s = 0.0
-        """The longest time between two polls so far: how late the ranks may learn of a deadline."""
+        """The longest time between two polls so far (the first, after start-up and compiling, aside): how late the
+        ranks may learn of a deadline."""
+        self.save_s = save_s
+        """The longest blocking save seen (this run's event log included): what a last save may take."""
 
     def margin_s(self) -> float:
-        """Time a last save needs before the limit: twice (one save + the steps to the next poll), plus slack."""
-        stall = self.cadence.stall_s if self.cadence else FIRST_STALL_S
-        return 2 * (stall + self.poll_span_s) + SLACK_S
+        """Time a last save needs before the limit: twice (one save, after a background write still running when
+        saves are async, + the steps to the next poll), plus SLACK_S for the exit, the verdict and the requeue."""
+        save = max(self.save_s, self.cadence.stall_s if self.cadence else 0.0) * (2 if self.cfg.async_save else 1)
+        return 2 * (save + self.poll_span_s) + SLACK_S
+
+    def signal_at_limit(self, grace_s: float) -> bool:
+        """Rank 0: a warning signal now is the time limit's, not a preemption: it came within the job's signal grace
+        of the limit (Slurm may send it up to SIGNAL_EARLY_S early) plus the margin."""
+        left = self.deadline.left_s() if self.deadline else None
+        return left is not None and left < grace_s + SIGNAL_EARLY_S + self.margin_s()
 
     def _rank0_flags(self) -> tuple[bool, bool]:
         """(a save is due by the clock or on request, the deadline is near): rank 0's view."""
@@ -83,8 +94,10 @@ class SavePolicy:
         due_by_steps = bool(every and step % every == 0)
         if not force and step % self.cfg.poll_steps:
             return Poll(due=due_by_steps)
-        now = time.monotonic()
-        self.poll_span_s, self.last_poll = max(self.poll_span_s, now - self.last_poll), now
+        now, self.polls = time.monotonic(), self.polls + 1
+        if self.polls > 1:
+            self.poll_span_s = max(self.poll_span_s, now - self.last_poll)
+        self.last_poll = now
         timed, near = self._rank0_flags() if self.env.is_main else (False, False)
         flags = torch.tensor([self.preemption.signum, int(timed), int(near)], dtype=torch.int32)
         if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
@@ -92,8 +105,21 @@ class SavePolicy:
         signum, timed_any, near_any = flags.tolist()
         return Poll(signum, due_by_steps or bool(timed_any), bool(near_any))
 
-    def saved(self, stall_s: float) -> None:
+    def saved(self, stall_s: float, blocking: bool = True) -> None:
         """A save just finished, stalling training ``stall_s``: the timed interval starts again."""
         self.last_save = time.monotonic()
+        if blocking:
+            self.save_s = max(self.save_s, stall_s)
         if self.cadence is not None:
             self.cadence.saved(stall_s)
+
+
+def save_policy(cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, run_dir: Path, mtbf_hours: float,
+                end_in_s: float = 0.0) -> SavePolicy:
+    """A run's save policy: rank 0 keeps the clocks (the auto cadence, the job's end time) and the save-now file."""
+    if not env.is_main:
+        return SavePolicy(cfg, env, preemption)
+    (run_dir / "save-now").unlink(missing_ok=True)  # a request left for an earlier job is not this one's
+    cadence = Cadence(run_dir, env.num_nodes, cfg.mtbf_hours or mtbf_hours) if cfg.cadence == "auto" else None
+    return SavePolicy(cfg, env, preemption, cadence, Deadline(env.job_id, end_in_s), run_dir / "save-now",
+                      longest_save_s(run_dir))

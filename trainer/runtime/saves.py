@@ -36,12 +36,22 @@ class Saves:
         stall = time.perf_counter() - started  # training waited this long (the copy, for async saves)
         self.stall_s += stall
         self.saved_step, self.last_path = step, path
-        self.policy.saved(stall)
         if self.is_main:  # a background save's size is not known yet: its time is the stall
             size = _size_on_disk(path) if blocking else None
             self.events.emit("checkpoint", durable=True, step=step, stall_s=round(stall, 4), blocking=blocking,
                              bytes=size, path=str(path))
+        self.policy.saved(stall, blocking)
+        self.say_cadence()
         return path
+
+    def say_cadence(self) -> None:
+        """The auto cadence's interval when new or moved: one printed line, and a ``cadence`` event for the report."""
+        cadence = self.policy.cadence
+        news = cadence.news() if cadence else None
+        if cadence and news:
+            print(news, flush=True)
+            self.events.emit("cadence", interval_s=round(cadence.interval(), 1), stall_s=round(cadence.stall_s, 3),
+                             mtbf_s=round(cadence.mtbf_s))
 
 
 def _size_on_disk(path: Path) -> int:

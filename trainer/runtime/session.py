@@ -53,11 +53,10 @@ from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.runtime import attempts
 from trainer.runtime.batches import plan
-from trainer.runtime.cadence import Cadence, Deadline
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
-from trainer.runtime.preemption import Preemption, SavePolicy
+from trainer.runtime.preemption import Preemption, save_policy
 from trainer.runtime.rundir import RunDir
 from trainer.runtime.saves import Saves
 from trainer.runtime.tracking import Tracker
@@ -229,35 +228,20 @@ class Session:
         checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
                                          self.cfg.checkpoint.keep, self.faults.save_delay_s,
                                          on_write=self._heartbeat.alive, model=self.model)
-        self._saves = Saves(checkpointer, self._policy(), self._heartbeat,
+        policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
+                             self.job.mtbf_hours, self.faults.end_in_s)
+        self._saves = Saves(checkpointer, policy, self._heartbeat,
                             self.events, self.env.is_main, (self.step, self.resumed.path) if self.resumed else None)
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
                                                                  strategy=self.cfg.dist.strategy))
+        self._saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
             self.print(f"resumed from {self.resumed.path} at step {self.step}")
         return self.step
 
     def _run(self) -> RunDir:
         return _opened(self.run)
-
-    def _policy(self) -> SavePolicy:
-        """When to save: rank 0 keeps the clock, the auto cadence, the job's deadline and the save-now file."""
-        c, main, path = self.cfg.checkpoint, self.env.is_main, self._run().path
-        cadence = Cadence(path, self.env.num_nodes, c.mtbf_hours or self.job.mtbf_hours) \
-            if main and c.cadence == "auto" else None
-        deadline = Deadline(self.env.job_id, self.faults.end_in_s) if main else None
-        policy = SavePolicy(c, self.env, self.preemption, cadence, deadline, path / "save-now" if main else None)
-        self._cadence_news(cadence)
-        return policy
-
-    def _cadence_news(self, cadence: Cadence | None) -> None:
-        """Say the auto cadence's interval when it is new or moved (a line, and a ``cadence`` event for the report)."""
-        news = cadence.news() if cadence else None
-        if cadence and news:
-            self.print(news)
-            self.events.emit("cadence", interval_s=round(cadence.interval(), 1), stall_s=round(cadence.stall_s, 3),
-                             mtbf_s=round(cadence.mtbf_s))
 
     # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
@@ -297,8 +281,9 @@ class Session:
             self.preemption.signum = signum
 
     def should_save(self, step: int, force_poll: bool = False) -> bool:
-        """Whether to save now: a preemption signal (agreed across ranks every ``checkpoint.poll_steps`` steps),
-        ``checkpoint.every_steps`` or ``every_minutes``. Every rank must call it at the same steps."""
+        """Whether to save now: a preemption signal or the job's time limit near (both then leave the loop:
+        ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
+        across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
         # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
         self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2"))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
@@ -332,7 +317,6 @@ class Session:
         state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
         path = self.saves.save(state, through_dcp, step, blocking)
         self.tracker.flush()
-        self._cadence_news(self.saves.policy.cadence)
         return path
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
@@ -345,7 +329,8 @@ class Session:
             self.save(self.step)
         path = str(self.last_path)
         if self.preempted:
-            why = self.preempted_by.name if self.preempted_by else "deadline"
+            at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
+            why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
             run.mark_requeue({"signal": why, "checkpoint": path, "step": self.step})
             torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
             self.print(f"\n{why if self.preempted_by else 'the time limit is near'}: saved {path} at step "
