@@ -102,15 +102,15 @@ def test_the_verdict_counts_time_limit_requeues_apart_and_stops_a_run_that_canno
 
 def test_auto_cadence_measures_the_injected_save_cost_and_says_its_interval(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, "checkpoint.cadence=auto", "checkpoint.every_steps=4", "checkpoint.mtbf_hours=2",
-                           f"run.dir={run}"], tmp_path, env=faults(save_delay_s=3)))
+    proc = ok(run_trainer([*SMALL, "checkpoint.cadence=auto", "checkpoint.every_steps=16", "checkpoint.mtbf_hours=2",
+                           f"run.dir={run}"], tmp_path, env=faults(save_delay_s=2)))
     lines = [x for x in proc.stdout.splitlines() if x.startswith("checkpoint cadence:")]
     assert "a save stalls 1 s, interruptions every 2 h (0 seen, prior 2 h)" in lines[0], lines
     stalls = [json.loads(x)["stall_s"] for x in (run / "events.jsonl").read_text().splitlines()
               if json.loads(x)["event"] == "checkpoint"]
-    assert min(stalls) >= 3
+    assert min(stalls) >= 2
     m = re.search(r"saving every ([\d.]+) (s|min): a save stalls ([\d.]+) s", lines[-1])
-    assert m and float(m[3]) >= 3, lines  # the measured cost replaced the first guess
+    assert m and float(m[3]) >= 2, lines  # the measured cost replaced the first guess
     expected = interval_s(float(m[3]), 2 * 3600)
     assert float(m[1]) * (60 if m[2] == "min" else 1) == pytest.approx(expected, rel=0.05), lines
 
@@ -170,11 +170,12 @@ def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_pat
     run = tmp_path / "run"
     args = [*SMALL, "checkpoint.cadence=auto", "checkpoint.mtbf_hours=1", "checkpoint.every_steps=2",
             "checkpoint.poll_steps=1", f"run.dir={run}"]
-    for _ in range(2):
+    for killed in range(2):
         proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
                                 env=clean_env(faults(step_delay_s=0.2)), stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text().count('"checkpoint"') < 1:
+        # Killed once this attempt has saved (its own checkpoint event, after those of the attempts before).
+        while not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text().count('"checkpoint"') <= killed:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         proc.kill()
@@ -187,9 +188,10 @@ def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_pat
     assert lost == 2 and ran > 0 and stalls
     from trainer.runtime.attempts import attempts, figures
 
-    f = figures(attempts(run))  # the cadence lines sit in their own attempts: no negative gaps, a cadence row
-    assert len(f["attempts"]) == 4 and all(r["gap_before_s"] >= 0 for r in f["attempts"]) and f["cadence"]
-    assert f["cadence"]["interruptions"] == 2
+    runs = attempts(run)  # each attempt's cadence line is filed under it, not under the attempt before
+    assert len(runs) == 4 and all(a.times("cadence") and a.times("cadence")[0]["t"] - a.info["t"] < 0.2 for a in runs)
+    f = figures(runs)
+    assert f["cadence"] and f["cadence"]["interruptions"] == 2
 
 
 

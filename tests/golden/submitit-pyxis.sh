@@ -16,7 +16,7 @@
 
 # setup
 export OMP_NUM_THREADS=1
-export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2
+export RUN_DIR=${RUN_DIR:-runs/$SLURM_JOB_ID} TRAINER_SIGNAL=SIGUSR2 TRAINER_SIGNAL_GRACE_S=30
 mkdir -p "$RUN_DIR" && RUN_DIR=$(cd "$RUN_DIR" && pwd -P)
 rm -f "$RUN_DIR/requeue.json"
 # What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.

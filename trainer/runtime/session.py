@@ -333,8 +333,9 @@ class Session:
             why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
             run.mark_requeue({"signal": why, "checkpoint": path, "step": self.step})
             torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
-            self.print(f"\n{why if self.preempted_by else 'the time limit is near'}: saved {path} at step "
-                       f"{self.step}; exiting with {EXIT_REQUEUE} so the launcher requeues")
+            head = f"{self.preempted_by.name} received" if self.preempted_by else "the time limit is near"
+            self.print(f"\n{head}: saved {path} at step {self.step}; exiting with {EXIT_REQUEUE} so the launcher "
+                       "requeues")
             self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
         summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
