@@ -26,7 +26,7 @@ SWEEP ?= cluster/sweeps/example.yaml
 SWEEP_DIR ?=
 CONTAINER ?=
 
-.PHONY: help venv train test lint clean submit sweep sweep-status doctor dev-cluster dev-cluster-down sync docker sif bench report
+.PHONY: help venv train test lint clean submit sweep sweep-status sweep-dashboard doctor dev-cluster dev-cluster-down sync docker sif bench report
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -54,11 +54,14 @@ submit: venv  ## submit to Slurm: CMD="python train.py …" (any command; defaul
 	@$(BIN)/python -m cluster submit --cluster '$(CLUSTER)' $(if $(NODES),--nodes $(NODES)) --launcher '$(LAUNCHER)' \
 		$(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) $(if $(MODULE),--module '$(MODULE)') -- $(CMD) $(ARGS)
 
-sweep: venv  ## submit a sweep as one Slurm job array: SWEEP=cluster/sweeps/example.yaml DRY_RUN=1 WAIT=1 SET="profile_key=value ..."
-	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait)
+sweep: venv  ## submit a sweep (an Optuna study; its workers one Slurm job array): SWEEP=cluster/sweeps/example.yaml RESUME=sweeps/… DRY_RUN=1 WAIT=1 SET="profile_key=value ..."
+	@$(BIN)/python -m cluster sweep '$(SWEEP)' $(foreach s,$(SET),--set '$(s)') $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) $(if $(RESUME),--resume '$(RESUME)')
 
-sweep-status: venv  ## a sweep's trials ranked by its metric: SWEEP_DIR=sweeps/… (default: the newest)
+sweep-status: venv  ## a sweep's trials ranked by its metric, and sweep.html: SWEEP_DIR=sweeps/… (default: the newest)
 	@$(BIN)/python -m cluster sweep-status $(if $(SWEEP_DIR),'$(SWEEP_DIR)')
+
+sweep-dashboard: venv  ## optuna-dashboard on a sweep's study, bound to localhost: SWEEP_DIR=sweeps/… PORT=8080
+	@$(BIN)/python -m cluster sweep-dashboard $(if $(SWEEP_DIR),'$(SWEEP_DIR)') --port '$(or $(PORT),8080)'
 
 doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
 	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container '$(CONTAINER)') $(ARGS)

@@ -1,5 +1,5 @@
-"""``python -m cluster submit|render|sweep|sweep-status|suspects|save-now``: what `make submit`, `make sweep` and the template
-regeneration call."""
+"""``python -m cluster submit|render|sweep|sweep-status|sweep-dashboard|suspects|save-now``: what `make submit`,
+`make sweep` and the template regeneration call."""
 
 from __future__ import annotations
 
@@ -35,14 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     r.add_argument("--command", dest="command_template", action="store_true",
                    help="the template for any command (slurm/run.sbatch)")
-    w = sub.add_parser("sweep", help="submit a hyper-parameter sweep as one Slurm job array")
+    w = sub.add_parser("sweep", help="submit a hyper-parameter sweep: an Optuna study, its workers one Slurm job array")
     w.add_argument("spec", help="sweep YAML, e.g. cluster/sweeps/example.yaml")
-    w.add_argument("--dry-run", action="store_true", help="print the trials and the array's batch script; submit nothing")
+    w.add_argument("--dry-run", action="store_true", help="print the trials and the workers' script; submit nothing")
     w.add_argument("--wait", action="store_true", help="wait for every trial, print the table; exit 1 if one failed")
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile key (after the spec's profile:)")
+    w.add_argument("--resume", metavar="SWEEP_DIR", help="add the spec's trials to this sweep's study (new workers)")
     st = sub.add_parser("sweep-status", help="print a sweep's trials ranked by its metric")
     st.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
+    sd = sub.add_parser("sweep-dashboard", help="optuna-dashboard on a sweep's study, on this machine only")
+    sd.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
+    sd.add_argument("--port", type=int, default=8080)
     sp = sub.add_parser("suspects", help="list the nodes jobs blamed (new jobs exclude them), or clear one")
     sp.add_argument("--clear", metavar="NODE", help="forget NODE (all: every node)")
     sn = sub.add_parser("save-now", help="ask a running job to save a checkpoint at its next poll, and go on")
@@ -54,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "sweep-status":
         return show_status(ns.sweep_dir)
+    if ns.command == "sweep-dashboard":
+        from cluster.dashboard import serve
+
+        return serve(ns.sweep_dir, ns.port)
     if ns.command == "save-now":
         return save_now(Path(ns.run_dir))
     if ns.command == "suspects":
@@ -63,7 +71,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")
     overrides: dict[str, object] = dict(kv.split("=", 1) for kv in ns.set)
     if ns.command == "sweep":
-        return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait)
+        return run_sweep(ns.spec, overrides, ns.dry_run, ns.wait, ns.resume)
     if ns.command == "render":
         p = load_profile(ns.cluster, overrides)
         sets = "".join(f" --set {kv}" for kv in ns.set) + (" --command" if ns.command_template else "")

@@ -244,19 +244,24 @@ def host_python(p: Profile, python: str) -> str:
     return 'PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3' if p.container.runtime != "none" else shlex.quote(python)
 
 
-def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None,
-                  command: Command | None = None) -> str:
-    """The complete batch script for profile ``p``: the built-in trainer with overrides ``args``, or ``command``."""
-    lines = ["#!/bin/bash", f"# {origin}", *sbatch_directives(p), "set -euo pipefail", ""]
-    if p.setup:
-        lines += ["# SITE: setup from the profile", *p.setup, ""]
-    for name, value in sorted(p.env.items()):
-        lines.append(f"export {name}={shlex.quote(str(value))}")
-    lines += [
+def environment(p: Profile) -> list[str]:
+    """The profile's setup lines and variables, and the ones every launch needs."""
+    lines = ["# SITE: setup from the profile", *p.setup, ""] if p.setup else []
+    lines += [f"export {name}={shlex.quote(str(value))}" for name, value in sorted(p.env.items())]
+    return [
+        *lines,
         "export PYTHONUNBUFFERED=1",
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
         *([f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []),
+    ]
+
+
+def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None,
+                  command: Command | None = None) -> str:
+    """The complete batch script for profile ``p``: the built-in trainer with overrides ``args``, or ``command``."""
+    lines = ["#!/bin/bash", f"# {origin}", *sbatch_directives(p), "set -euo pipefail", "", *environment(p)]
+    lines += [
         *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
                        start=not p.spare_nodes),
         "",

@@ -1,10 +1,10 @@
-"""Hyper-parameter sweeps: one YAML spec → many trials → one Slurm job array, submitted through submitit.
+"""Hyper-parameter sweeps: one YAML spec → an Optuna study → ``max_parallel`` workers as one Slurm job array.
 
-Each trial is an ordinary training run (:class:`cluster.task.TrainTask`), or the spec's ``command`` with the trial's
-values (:class:`cluster.task.CommandTask`), with its own run folder
-``<sweep>/trials/<i>``, so it checkpoints and requeues on its own; W&B groups the trials under the
-sweep id. ``<sweep>/sweep.json`` records what was submitted; :func:`status` reads it back together
-with each trial's ``result.json`` and Slurm's view of the array.
+Each worker (cluster/worker.py, in the script of cluster/sweep_script.py) asks the study for a trial, runs it as
+an ordinary run of the built-in trainer or of the spec's ``command``, in its own run folder ``<sweep>/trials/<n>``
+(so it checkpoints, requeues and resumes on its own), tells the study how it ended, and asks again until the study
+has ``trials``. Random and grid trials are planned here, once, and enqueued. ``<sweep>/sweep.json`` records what was
+submitted; ``RESUME=<sweep>`` adds trials to the same study with a new array of workers.
 """
 
 from __future__ import annotations
@@ -12,30 +12,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import shlex
 import shutil
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from submitit.core.utils import FailedJobError, FailedSubmissionError
-
-from cluster.command import Command, requeue_after
+from cluster import study as studies
 from cluster.profile import Profile, load_profile
-from cluster.submit import check_slurm, executor, load_train_config, renderable, suspect_nodes
-from cluster.sweep_spec import SweepSpec, Trial, _err, _kv, load_spec, plan
-from cluster.sweep_status import finish
-from cluster.task import CommandTask, TrainTask
-from cluster.trials import columns, fmt
+from cluster.submit import check_slurm, load_train_config, python_for, suspect_nodes
+from cluster.sweep_script import worker_script
+from cluster.sweep_spec import SweepSpec, _err, _kv, load_spec, parameter, trial_args
+from cluster.sweep_status import finish, read_sweep
+from cluster.trials import columns, show
 from trainer.core.errors import UserError
 from trainer.core.files import write_json
 from trainer.runtime.batches import check_worlds
 
 
-def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path, worlds: list[int] | None = None) -> None:
-    """Validate every trial's full argument list with the trainer's own loader before anything is submitted.
+def candidates(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Values that stand for the whole space when checking arguments: each parameter at each of its ends (or
+    choices), the others at their first value."""
+    ends = {}
+    for key, value in spec.parameters.items():
+        p = parameter(spec, key, value)
+        ends[key] = p["choices"] if p["type"] == "categorical" else [p["low"], p["high"]]
+    base = {k: v[0] for k, v in ends.items()}
+    return [{**base, key: v} for key, values in ends.items() for v in values]
+
+
+def check_trials(spec: SweepSpec, trials: list[dict[str, Any]], sweep_dir: Path, worlds: list[int] | None = None) -> None:
+    """Validate trials' full argument lists with the trainer's own loader before anything is submitted.
 
     An error is renamed after what the user wrote: ``sweep.args`` for the fixed args, ``sweep.parameters.<key>``
     for a swept key; the trainer's hint is kept.
@@ -47,18 +56,22 @@ def check_trials(spec: SweepSpec, trials: list[Trial], sweep_dir: Path, worlds: 
     except UserError as err:
         raise _err("args", f"{err.field}: {err.message}", err.hint) from None
     seen: set[tuple[str, ...]] = set()
-    for t in trials:
-        if tuple(t.args) in seen:  # random sweeps can draw the same values twice: one check is enough
+    for i, values in enumerate(trials):
+        args = tuple(trial_args(spec, values, sweep_dir.name, 0))
+        if args in seen:
             continue
-        seen.add(tuple(t.args))
+        seen.add(args)
         try:
-            cfg = load_train_config(t.task_args(sweep_dir))
+            cfg = load_train_config(list(args))
             if cfg.data.global_batch_size and worlds:  # each trial's global batch on the profile's processes
                 check_worlds(cfg.data.global_batch_size, worlds, cfg.data.batch_size)
         except UserError as err:
             if err.field in spec.parameters:
-                raise _err(f"parameters.{err.field}", f"{err.message} (trial {t.index}: {_kv(t.overrides)})", err.hint) from None
-            raise _err(f"trials.{t.index}", f"{err.field}: {err.message} (with {_kv(t.overrides)})", err.hint) from None
+                raise _err(f"parameters.{err.field}", f"{err.message} (with {_kv(values)})", err.hint) from None
+            raise _err(f"trials.{i}", f"{err.field}: {err.message} (with {_kv(values)})", err.hint) from None
+        if spec.pruner != "none" and not cfg.train.eval_every and cfg.train.epochs < 2 and not cfg.train.max_steps:
+            raise _err("pruner", "has no intermediate values to judge: the trainer evaluates once, at the end "
+                       "(train.epochs=1, train.eval_every=0)", "set train.eval_every=N in args, or pruner: none")
 
 
 def _flat(prefix: str, value: Any) -> dict[str, Any]:
@@ -69,9 +82,9 @@ def _flat(prefix: str, value: Any) -> dict[str, Any]:
 
 
 def sweep_profile(spec: SweepSpec, sets: dict[str, object], sweep_dir: Path) -> Profile:
-    """The profile every trial runs with: the spec's cluster, its profile overrides, then ``--set`` ones.
+    """The profile every worker runs with: the spec's cluster, its profile overrides, then ``--set`` ones.
 
-    The Slurm job name defaults to the sweep name; submitit's logs always go to ``<sweep>/logs``.
+    The Slurm job name defaults to the sweep name; the workers' logs go to ``<sweep>/logs``.
     """
     overrides: dict[str, object] = {"job_name": spec.name, **_flat("", spec.profile), **sets,
                                     "log_dir": str(sweep_dir / "logs")}
@@ -82,41 +95,10 @@ def sweep_profile(spec: SweepSpec, sets: dict[str, object], sweep_dir: Path) -> 
             raise UserError("sweep.cluster", err.message, err.hint) from None
         # A bad profile key may come from the spec's profile: or --set as well as from the profile file.
         raise UserError(f"sweep.{err.field}", err.message, f"{err.hint}; or the sweep's profile: and --set") from None
-    if p.signal != "USR2" or p.launch != "srun":  # the same rule as `python -m cluster submit` with submitit
-        raise UserError("sweep.profile.signal" if p.signal != "USR2" else "sweep.profile.launch",
-                        "submitit always warns with USR2 and starts one task per process",
-                        "use signal: USR2 and launch: srun for sweeps")
-    # The batch shell's requeue rule watches $RUN_DIR for requeue.json (and a command writes there): this array
-    # task's trial.
-    trials = shlex.quote(str(sweep_dir / "trials"))
-    return dataclasses.replace(p, setup=[*p.setup, f'export RUN_DIR={trials}/"${{SLURM_ARRAY_TASK_ID:-0}}"'])
-
-
-def sweep_executor(p: Profile, spec: SweepSpec, sweep_dir: Path) -> Any:
-    """The profile's submitit executor with the array throttle (``#SBATCH --array=0-N%max_parallel``); an optional
-    preflight doctor checks the trials' folder and the spec's fixed args."""
-    ex = executor(p, None, [] if spec.command is not None else spec.args, command=spec.command is not None)
-    ex.update_parameters(slurm_array_parallelism=spec.max_parallel)
-    return ex
-
-
-def array_script(p: Profile, spec: SweepSpec, sweep_dir: Path, n: int) -> str:
-    """The exact batch script submitit submits for an array of ``n`` trials.
-
-    submitit sets ``map_count`` on a copy of the executor when it submits a batch of two or more
-    (``SlurmExecutor._internal_process_submissions``); the same is done here on a throwaway executor.
-    A single trial is submitted as a plain job, without ``--array``.
-    """
-    with renderable():
-        inner = sweep_executor(p, spec, sweep_dir)._executor
-    if n > 1:
-        inner.parameters["map_count"] = n
-    return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
-
-
-def trial_table(trials: list[Trial], parameters: list[str]) -> str:
-    """The planned trials, one line each: index and swept values."""
-    return columns(["trial", *parameters], [[str(t.index), *(fmt(t.overrides[k]) for k in parameters)] for t in trials])
+    if p.spare_nodes or p.min_nodes:
+        raise UserError("sweep.profile.spare_nodes" if p.spare_nodes else "sweep.profile.min_nodes",
+                        "a sweep's trials run on a fixed number of nodes", "spare_nodes: 0 and no node range for sweeps")
+    return p
 
 
 def _new_sweep_dir(root: Path, name: str, create: bool) -> Path:
@@ -142,82 +124,109 @@ def _unwritable(verb: str, sweep_dir: Path, exc: OSError) -> UserError:
                      "run the sweep from a folder this user can write, on storage every node shares")
 
 
-def _task(p: Profile, t: Trial, sweep_dir: Path) -> TrainTask | CommandTask:
-    if t.command:
-        return CommandTask(t.task_args(sweep_dir), p.signal, requeue_after(p) if p.requeue_on_signal else None)
-    return TrainTask(t.task_args(sweep_dir))
+def _script(p: Profile, spec: SweepSpec, sweep_dir: Path) -> str:
+    origin = f"sweep {spec.name}: {spec.max_parallel} worker(s), rendered by `python -m cluster sweep`"
+    return worker_script(p, python_for(p), sweep_dir, spec.max_parallel, spec.command is not None, origin)
 
 
-def _show(p: Profile, spec: SweepSpec, trials: list[Trial], sweep_dir: Path) -> None:
-    """A dry run: the trials, the command each runs, and the array's batch script."""
-    print(f"# sweep {spec.name}: {len(trials)} trials ({spec.method}), at most {spec.max_parallel} at a time, "
-          f"profile {p.name}\n{trial_table(trials, list(spec.parameters))}\n")
-    for t in trials:  # the tasks travel as pickles, not in the script
-        program = f"trainer.launch {shlex.join(Command(()).launch_args(p))}" if t.command else "trainer"
-        print(f"# trial {t.index} runs: python -m {program} {shlex.join(t.task_args(sweep_dir))}")
-    print()
-    print(array_script(p, spec, sweep_dir, len(trials)), end="")
+def _show(p: Profile, spec: SweepSpec, planned: list[dict[str, Any]] | None, sweep_dir: Path) -> None:
+    """A dry run: the planned trials (random, grid) or the search space (adaptive), and the workers' batch script."""
+    keys = list(spec.parameters)
+    print(f"# sweep {spec.name}: {spec.method} sampler, pruner {spec.pruner}, {spec.max_parallel} worker(s) as one "
+          f"array, study in {spec.storage}, profile {p.name}")
+    if planned is not None:
+        print(columns(["trial", *keys], [[str(i), *(show(t[k]) for k in keys)] for i, t in enumerate(planned)]))
+    else:
+        print(f"# {spec.trials} trials, sampled as results come in from:")
+        for key, value in spec.parameters.items():
+            print(f"#   {key}: {parameter(spec, key, value)}")
+    example = planned[0] if planned else candidates(spec)[0]
+    program = "trainer.launch ... --" if spec.command else "trainer"
+    print(f"# a trial runs: python -m {program} {shlex.join(trial_args(spec, example, sweep_dir.name, 0))}\n")
+    print(_script(p, spec, sweep_dir), end="")
 
 
-def _record(spec_path: str, spec: SweepSpec, p: Profile, trials: list[Trial], sweep_dir: Path) -> dict[str, Any]:
-    """sweep.json before submission: the spec, the profile and every trial's values, folder and arguments."""
-    return {
-        "sweep_id": sweep_dir.name,
-        "spec_file": str(Path(spec_path).resolve()),
-        "spec": dataclasses.asdict(spec),
-        "profile": p.name,
-        "array_job_id": None,
-        "submitted_at": None,
-        "trials": [{"index": t.index, "overrides": t.overrides, "run_dir": str(sweep_dir / "trials" / str(t.index)),
-                    "args": t.task_args(sweep_dir)} for t in trials],
-    }
+def _taken(study: Any) -> list[dict[str, Any]]:
+    return [t.params or t.system_attrs.get("fixed_params", {}) for t in study.get_trials(deepcopy=False)
+            if "lost" not in t.user_attrs]
 
 
-def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, poll_s: float = 5.0) -> int:
-    """``python -m cluster sweep``: validate, then print (dry run) or submit the array; with wait, report the results."""
+def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, resume: str | None = None,
+        poll_s: float = 5.0) -> int:
+    """``python -m cluster sweep``: validate, then print (dry run) or submit the workers; with wait, report the results."""
     spec = load_spec(spec_path)
-    trials = plan(spec)
-    sweep_dir = _new_sweep_dir(Path.cwd(), spec.name, create=False)
-    if not re.fullmatch(r"[A-Za-z0-9._/+-]+", str(sweep_dir)):
-        # submitit writes the log paths into the batch script (#SBATCH --output, srun --output) without quotes.
-        raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} has characters submitit's batch script would not quote",
-                        "run the sweep from a folder whose path has only letters, digits, '.', '_', '+', '-' and '/'")
+    record = read_sweep(Path(resume)) if resume else None
+    if record is not None:
+        _check_resume(spec, record, resume or "")
+    sweep_dir = Path(resume).resolve() if resume else _new_sweep_dir(Path.cwd(), spec.name, create=False)
     p = sweep_profile(spec, sets, sweep_dir)
-    check_trials(spec, trials, sweep_dir, p.world_sizes())
+    studies.check(spec, sweep_dir)
+    planned = (studies.plan(spec, [], spec.trials) if spec.method in ("grid", "random") and record is None else None)
+    check_trials(spec, planned if planned is not None else candidates(spec), sweep_dir, p.world_sizes())
     if dry_run:
-        _show(p, spec, trials, sweep_dir)
+        _show(p, spec, planned, sweep_dir)
         return 0
     check_slurm()
+    if record is None:
+        try:
+            sweep_dir = _new_sweep_dir(Path.cwd(), spec.name, create=True)
+        except OSError as exc:
+            raise _unwritable("create", sweep_dir, exc) from None
+        p = sweep_profile(spec, sets, sweep_dir)
+        record = {"sweep_id": sweep_dir.name, "study": sweep_dir.name, "target": 0, "arrays": []}
+    return _submit(spec_path, spec, p, sweep_dir, record, wait, poll_s)
+
+
+def _check_resume(spec: SweepSpec, record: dict[str, Any], resume: str) -> None:
+    old = record["spec"]
+    for key in ("parameters", "metric", "mode", "command", "args", "storage"):
+        if old[key] != getattr(spec, key):
+            raise _err(key, f"differs from the study's in {resume} ({old[key]!r}): its trials would not compare",
+                       "resume with the spec the sweep was made from, changing trials, method, pruner or max_parallel")
+
+
+def prepare(spec_path: str, spec: SweepSpec, profile: str, sweep_dir: Path, record: dict[str, Any]) -> None:
+    """The sweep's folders, sweep.json and study: planned trials (random, grid) enqueued, the target raised by
+    ``trials`` (a grid: by the combinations left)."""
+    for sub in ("trials", "workers", "logs"):
+        (sweep_dir / sub).mkdir(exist_ok=True)
+    record.update(spec_file=str(Path(spec_path).resolve()), spec=dataclasses.asdict(spec), profile=profile)
+    write_json(sweep_dir / "sweep.json", record)
+    study = studies.open_study(record, sweep_dir, spec.seed)
+    taken = _taken(study)
+    new = studies.plan(spec, taken, spec.trials) if spec.method in ("grid", "random") else None
+    for values in new or []:
+        study.enqueue_trial(values, skip_if_exists=False)
+    record["target"] = len(taken) + (len(new) if new is not None else spec.trials or 0)
+    write_json(sweep_dir / "sweep.json", record)
+
+
+def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record: dict[str, Any], wait: bool,
+            poll_s: float) -> int:
+    """Write sweep.json, create the study (enqueue planned trials) and submit one array of workers."""
+    fresh = not record["arrays"]
     try:
-        renamed = _new_sweep_dir(Path.cwd(), spec.name, create=True)
+        prepare(spec_path, spec, p.name, sweep_dir, record)
     except OSError as exc:
-        raise _unwritable("create", sweep_dir, exc) from None
-    if renamed != sweep_dir:  # another sweep took the name this second: the trials' folders follow the new one
-        sweep_dir, p = renamed, sweep_profile(spec, sets, renamed)
-    ex = sweep_executor(p, spec, sweep_dir)
-    avoid = suspect_nodes()
-    if avoid:
-        ex.update_parameters(slurm_exclude=",".join(avoid))
-    record = _record(spec_path, spec, p, trials, sweep_dir)
-    try:  # written before submitting: a folder that cannot hold the record stops the sweep before anything runs
-        (sweep_dir / "trials").mkdir()
-        write_json(sweep_dir / "sweep.json", record)
-        with ex.batch():  # one sbatch call: a job array
-            jobs = [ex.submit(_task(p, t, sweep_dir)) for t in trials]
-    except OSError as exc:
-        shutil.rmtree(sweep_dir, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(sweep_dir, ignore_errors=True)
         raise _unwritable("write", sweep_dir, exc) from None
-    except (FailedJobError, FailedSubmissionError):  # sbatch refused (partition, limits): no half-made sweep is left
-        shutil.rmtree(sweep_dir, ignore_errors=True)
-        print("sbatch refused the sweep's array; its message is above", file=sys.stderr)
-        return 1
-    array_id = str(jobs[0].job_id).split("_")[0]
-    record.update(array_job_id=array_id, submitted_at=datetime.now().astimezone().isoformat(timespec="seconds"))
+    avoid = suspect_nodes()
+    cmd = ["sbatch", "--parsable", *([f"--exclude={','.join(avoid)}"] if avoid else [])]
+    proc = subprocess.run(cmd, input=_script(p, spec, sweep_dir), capture_output=True, text=True)
+    array = proc.stdout.strip().split(";")[0]
+    if proc.returncode or not array:
+        print(proc.stderr.strip(), file=sys.stderr)
+        print("sbatch refused the sweep's workers; its message is above", file=sys.stderr)
+        if fresh:
+            shutil.rmtree(sweep_dir, ignore_errors=True)
+        return proc.returncode or 1
+    record["arrays"] = [*record["arrays"], array]
+    record["submitted_at"] = datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(sweep_dir / "sweep.json", record)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in
-    print(f"submitted sweep {sweep_dir.name}: {len(trials)} trials as Slurm array {array_id} "
-          f"(at most {spec.max_parallel} at a time, profile {p.name})")
-    print(f"folder: {shown}\nlogs:   {shown}/logs\nstatus: make sweep-status {shlex.quote('SWEEP_DIR=' + shown)}"
-          f"    squeue -r -j {array_id}")
+    print(f"submitted sweep {sweep_dir.name}: {record['target']} trials ({spec.method}, pruner {spec.pruner}) run by "
+          f"{spec.max_parallel} worker(s) as Slurm array {array} (profile {p.name})")
+    print(f"folder: {shown}\nlogs:   {shown}/logs/worker-{array}_<w>.out\n"
+          f"status: make sweep-status {shlex.quote('SWEEP_DIR=' + shown)}    squeue -r -j {array}")
     return finish(sweep_dir, poll_s) if wait else 0
-

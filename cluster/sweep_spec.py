@@ -1,11 +1,10 @@
-"""The sweep spec: loading, validation, trial planning."""
+"""The sweep spec: loading and validation, before anything is submitted. The search space, samplers, pruners and the
+study itself are Optuna's (:mod:`cluster.study`)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import random
 import re
 import shlex
 from dataclasses import dataclass, field, fields
@@ -23,15 +22,23 @@ from trainer.core.legacy import LEGACY
 METRICS = ("test_accuracy", "test_loss", "train_samples_per_s", "train_time_s", "global_step")
 """Numeric keys of a run's result.json that a sweep can rank trials by."""
 
-DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform")
-"""Distributions a random sweep samples a parameter from (besides a list of choices)."""
+METHODS = ("tpe", "random", "grid", "cmaes")
+"""Optuna samplers: TPE and CMA-ES adapt to the results so far; random and grid are planned at submission."""
+
+PRUNERS = ("none", "median", "asha", "hyperband")
+"""Optuna pruners (asha: successive halving), fed by the trials' intermediate values."""
+
+TYPES = ("float", "int", "categorical")
+"""Optuna's distributions, spelled as in its ``suggest_*`` calls."""
+
+OLD = {"uniform": ("float", False), "log_uniform": ("float", True), "int_uniform": ("int", False)}
+"""The distributions of earlier specs ({distribution: …, min: …, max: …}), read as Optuna's."""
 
 MAX_TRIALS = 1000
-"""Slurm's default MaxArraySize is 1001 (indexes 0-1000): larger arrays are refused at submission."""
+"""A bound on one sweep's trials (each has its own run folder)."""
 
 PER_TRIAL = ("run.dir", "run.name", "tracking.group")
 """Trainer keys the sweep sets for every trial itself (the run folder as RUN_DIR)."""
-
 
 
 @dataclass
@@ -43,47 +50,35 @@ class SweepSpec:
     profile: dict[str, Any] = field(default_factory=dict)
     """Profile overrides for every trial, e.g. {nodes: 1}; `--set KEY=VALUE` overrides these."""
     method: str = "grid"
-    """grid (every combination of the listed values) or random (``trials`` seeded samples)."""
+    """The sampler: tpe or cmaes (adaptive), random (``trials`` seeded draws), grid (every combination of lists)."""
     trials: int | None = None
-    """random only: number of trials to sample (1-1000)."""
+    """How many trials to run (1-1000); a grid runs each combination once (default: all of them)."""
     seed: int = 0
-    """random only: sampling seed; the same seed gives the same trials."""
+    """Sampling seed: random and grid trials are planned once from it (no duplicates across workers)."""
     max_parallel: int = 4
-    """Trials running at once (the Slurm array's %N throttle)."""
+    """Workers: array tasks that each run one trial after another, asking the study, until ``trials`` are done."""
     metric: str = "test_accuracy"
-    """Key of result.json that ranks the trials: test_<metric> (test_accuracy, test_loss, or any metric the task's
+    """Key of result.json that the study optimises: test_<metric> (test_accuracy, test_loss, or any metric the task's
     eval_step returns), train_samples_per_s, train_time_s, global_step."""
     mode: str = "max"
     """max (higher metric is better) or min."""
+    pruner: str = "none"
+    """Stops trials whose intermediate values (reported at each evaluation) trail: none, median, asha, hyperband."""
+    sampler_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the Optuna sampler, e.g. {n_startup_trials: 4} for tpe."""
+    pruner_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the Optuna pruner, e.g. {min_resource: 2, reduction_factor: 2} for asha."""
+    storage: str = "journal"
+    """Where the study lives: journal (a file in the sweep folder, on storage every node shares) or an RDB URL
+    (mysql+pymysql://user:password@host/db, postgresql://…)."""
     args: list[str] = field(default_factory=list)
     """Trainer overrides (key=value) shared by all trials."""
     command: str | None = None
     """Instead of the built-in trainer, this command (shell words, e.g. "python train.py --epochs 2"): a swept
     parameter fills its ``{name}`` placeholders, or else is appended as ``--name value``. RUN_DIR is the trial's folder."""
     parameters: dict[str, Any] = field(default_factory=dict)
-    """Trainer key → list of values (grid axis, or random choice), or for random
-    {distribution: uniform|log_uniform|int_uniform, min: …, max: …}."""
-
-
-@dataclass
-class Trial:
-    """One training run of a sweep."""
-
-    index: int
-    """Array task index (0-based)."""
-    overrides: dict[str, Any]
-    """The swept parameters' values, in the spec's parameter order."""
-    args: list[str]
-    """Trainer arguments: the spec's fixed args, then the overrides as key=value (a command sweep: its argv)."""
-    command: bool = False
-    """The spec runs a command, not the built-in trainer."""
-
-    def task_args(self, sweep_dir: Path) -> list[str]:
-        """The trial's full trainer arguments, as TrainTask gets them: ``args``, then its W&B group and run name (its
-        run folder is RUN_DIR, which the array's batch script sets per task). A command gets ``args`` as they are."""
-        if self.command:
-            return list(self.args)
-        return [*self.args, f"tracking.group={sweep_dir.name}", f"run.name={sweep_dir.name}-{self.index}"]
+    """Trainer key → a list of values (categorical), or {type: float|int, low: …, high: …, log: true, step: …}, or
+    {type: categorical, choices: […]}."""
 
 
 def _err(key: str, message: str, hint: str) -> UserError:
@@ -109,11 +104,20 @@ def _kv(overrides: dict[str, Any]) -> str:
     return " ".join(f"{k}={fmt(v)}" for k, v in overrides.items())
 
 
+def trial_args(spec: SweepSpec, params: dict[str, Any], sweep_id: str, number: int) -> list[str]:
+    """A trial's arguments: the trainer's (fixed args, its values, its W&B group and run name), or the command's argv."""
+    if spec.command is not None:
+        return command_argv(spec.command, params)
+    return [*spec.args, *(_arg(k, params[k]) for k in spec.parameters if k in params),
+            f"tracking.group={sweep_id}", f"run.name={sweep_id}-{number}"]
+
+
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and validate a sweep spec; every problem is a UserError naming the ``sweep.<field>``."""
     path = Path(path)
     loaded = load_yaml(path, "SWEEP", "pass a YAML file, e.g. SWEEP=cluster/sweeps/example.yaml")
-    for key, kind in (("profile", DictConfig), ("parameters", DictConfig), ("args", ListConfig)):
+    for key, kind in (("profile", DictConfig), ("parameters", DictConfig), ("args", ListConfig),
+                      ("sampler_args", DictConfig), ("pruner_args", DictConfig)):
         # OmegaConf raises a bare TypeError (no key) when a list meets a mapping field, or the reverse.
         if loaded.get(key) is not None and not isinstance(loaded.get(key), kind):
             shape = "a mapping (key: value lines)" if kind is DictConfig else "a list (- item lines)"
@@ -130,45 +134,68 @@ def load_spec(path: str | Path) -> SweepSpec:
     return spec
 
 
-def _check_parameter(spec: SweepSpec, key: str, value: Any) -> None:
+def parameter(spec: SweepSpec, key: str, value: Any) -> dict[str, Any]:
+    """One parameter as Optuna's terms: {type, low, high, log, step} or {type: categorical, choices}; checked."""
     where = f"parameters.{key}"
     if isinstance(value, list):
-        if not value:
-            raise _err(where, "has no values", f"list one or more: {key}: [value1, value2]")
-        for v in value:
-            if isinstance(v, list | dict):
-                raise _err(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
-        if len({json.dumps(float(v) if is_number(v) else v) for v in value}) != len(value):  # 1 and 1.0 are one value
-            raise _err(where, f"lists a value twice: {value}", "list each value once (a repeat is a duplicate trial)")
-        return
+        value = {"type": "categorical", "choices": value}
     if not isinstance(value, dict):
         raise _err(where, f"must be a list of values or a distribution, got {value!r}", f"e.g. {key}: [{value}]")
-    if "distribution" not in value and any(isinstance(v, list | dict) for v in value.values()):
-        sub = next(iter(value))
-        raise _err(where, "is a group of keys, not one key", f"write the dotted trainer key: {key}.{sub}: [value1, value2]")
-    if spec.method == "grid":
-        raise _err(where, "a distribution needs method: random", f"list the grid's values, e.g. {key}: [value1, value2], "
-                   "or set method: random and trials: N")
-    dist = value.get("distribution")
-    example = (f"{key}: {{distribution: int_uniform, min: 16, max: 128}}" if dist == "int_uniform"
-               else f"{key}: {{distribution: log_uniform, min: 0.001, max: 0.1}}")
-    unknown = sorted(set(value) - {"distribution", "min", "max"})
+    if "distribution" in value:  # an earlier spec's spelling
+        kind, log = OLD.get(value["distribution"], (None, False))
+        if kind is None:
+            raise _err(f"{where}.distribution", f"must be one of {', '.join(OLD)}, got {value['distribution']!r}",
+                       f"or Optuna's spelling: {key}: {{type: float, low: 0.001, high: 0.1, log: true}}")
+        value = {"type": kind, "log": log, **{("low" if k == "min" else "high" if k == "max" else k): v
+                                              for k, v in value.items() if k != "distribution"}}
+    if "type" not in value and any(isinstance(v, list | dict) for v in value.values()):
+        raise _err(where, "is a group of keys, not one key", f"write the dotted trainer key: {key}.{next(iter(value))}: [a, b]")
+    kind = value.get("type")
+    if kind not in TYPES:
+        raise _err(f"{where}.type", f"must be one of {', '.join(TYPES)}, got {kind!r}",
+                   f"e.g. {key}: {{type: float, low: 0.001, high: 0.1, log: true}}, or a list of values")
+    if kind == "categorical":
+        return {"type": kind, "choices": _choices(where, key, value)}
+    return _range(where, key, kind, value)
+
+
+def _choices(where: str, key: str, value: dict[str, Any]) -> list[Any]:
+    unknown = sorted(set(value) - {"type", "choices"})
     if unknown:
-        raise _err(f"{where}.{unknown[0]}", "unknown key", f"a distribution has distribution, min and max, e.g. {example}")
-    for k in ("distribution", "min", "max"):
-        if k not in value:
+        raise _err(f"{where}.{unknown[0]}", "unknown key", f"a categorical parameter has choices: {key}: [a, b]")
+    choices = value.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _err(where, "has no values", f"list one or more: {key}: [value1, value2]")
+    for v in choices:
+        if isinstance(v, list | dict):
+            raise _err(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
+    if len({json.dumps(float(v) if is_number(v) else v) for v in choices}) != len(choices):  # 1 and 1.0 are one value
+        raise _err(where, f"lists a value twice: {choices}", "list each value once (a repeat is a duplicate trial)")
+    return choices
+
+
+def _range(where: str, key: str, kind: str, value: dict[str, Any]) -> dict[str, Any]:
+    example = (f"{key}: {{type: int, low: 16, high: 128, step: 16}}" if kind == "int"
+               else f"{key}: {{type: float, low: 0.001, high: 0.1, log: true}}")
+    unknown = sorted(set(value) - {"type", "low", "high", "log", "step"})
+    if unknown:
+        raise _err(f"{where}.{unknown[0]}", "unknown key", f"a range has low, high and optionally log or step: {example}")
+    for k in ("low", "high"):
+        v = value.get(k)
+        if v is None:
             raise _err(f"{where}.{k}", "is required", f"e.g. {example}")
-    lo, hi = value["min"], value["max"]
-    if dist not in DISTRIBUTIONS:
-        raise _err(f"{where}.distribution", f"must be one of {', '.join(DISTRIBUTIONS)}, got {dist!r}", f"e.g. {example}")
-    for k, v in (("min", lo), ("max", hi)):
-        if not is_number(v) or (dist == "int_uniform" and not isinstance(v, int)):
-            kind = "a whole number" if dist == "int_uniform" else "a number"
-            raise _err(f"{where}.{k}", f"must be {kind}, got {v!r}", f"e.g. {example}")
-    if lo >= hi:
-        raise _err(where, f"min ({lo}) must be below max ({hi})", f"e.g. {example}")
-    if dist == "log_uniform" and lo <= 0:
-        raise _err(f"{where}.min", f"log_uniform needs min > 0, got {lo}", f"e.g. {example}")
+        if not is_number(v) or (kind == "int" and not isinstance(v, int)):
+            raise _err(f"{where}.{k}", f"must be {'a whole number' if kind == 'int' else 'a number'}, got {v!r}",
+                       f"e.g. {example}")
+    low, high, log, step = value["low"], value["high"], bool(value.get("log", False)), value.get("step")
+    if low >= high:
+        raise _err(where, f"is an empty range: low ({low}) must be below high ({high})", f"e.g. {example}")
+    if log and low <= 0:
+        raise _err(f"{where}.low", f"a log range needs low > 0, got {low}", f"e.g. {example}")
+    if step is not None and (log or not is_number(step) or step <= 0 or (kind == "int" and not isinstance(step, int))):
+        raise _err(f"{where}.step", f"must be a positive {'whole ' if kind == 'int' else ''}number without log, "
+                   f"got {step!r}{' with log: true' if log else ''}", f"e.g. {example}")
+    return {"type": kind, "low": low, "high": high, "log": log, **({"step": step} if step is not None else {})}
 
 
 def _check_args(spec: SweepSpec) -> None:
@@ -186,12 +213,13 @@ def _check_args(spec: SweepSpec) -> None:
 
 
 def validate(spec: SweepSpec) -> None:
-    """Reject a spec no sweep can run (the trainer checks each trial's values later, in :func:`check_trials`)."""
+    """Reject a spec no sweep can run (the trainer checks each trial's values later, in ``check_trials``)."""
     if not re.fullmatch(r"[A-Za-z0-9._-]+", spec.name):
         raise _err("name", f"{spec.name!r} has characters Slurm and shells treat specially",
                    "use letters, digits, '.', '_' and '-', e.g. name: lr-batch")
-    if spec.method not in ("grid", "random"):
-        raise _err("method", f"must be grid or random, got {spec.method!r}", "method: grid (every combination) or random")
+    if spec.method not in METHODS:
+        raise _err("method", f"must be one of {', '.join(METHODS)}, got {spec.method!r}",
+                   "method: tpe (adapts to results), random, grid (every combination) or cmaes")
     if spec.mode not in ("max", "min"):
         raise _err("mode", f"must be max or min, got {spec.mode!r}", "mode: max for accuracy, min for a loss")
     if spec.metric not in METRICS and not (spec.metric.startswith("test_") and len(spec.metric) > 5):
@@ -199,16 +227,17 @@ def validate(spec: SweepSpec) -> None:
                    f"use one of: {', '.join(METRICS)}, or test_<name> for any metric your task's eval_step returns")
     if spec.max_parallel < 1:
         raise _err("max_parallel", f"must be >= 1, got {spec.max_parallel}", "e.g. max_parallel: 4")
-    if spec.method == "grid" and spec.trials is not None:
-        raise _err("trials", "is for method: random only (a grid runs every combination)",
-                   "remove trials:, or set method: random")
-    if spec.method == "random":
-        if spec.trials is None or spec.trials < 1:
-            got = "none given" if spec.trials is None else f"got {spec.trials}"
-            raise _err("trials", f"method: random needs trials >= 1 ({got})", "e.g. trials: 16")
-        if spec.trials > MAX_TRIALS:
-            raise _err("trials", f"{spec.trials} trials do not fit in one Slurm array (at most {MAX_TRIALS})",
-                       f"Slurm's default MaxArraySize is 1001: use trials: {MAX_TRIALS} or fewer, or split the sweep")
+    if spec.pruner not in PRUNERS:
+        raise _err("pruner", f"must be one of {', '.join(PRUNERS)}, got {spec.pruner!r}", "e.g. pruner: asha")
+    if spec.pruner != "none" and not spec.metric.startswith("test_"):
+        raise _err("pruner", f"needs intermediate values of the metric, and {spec.metric} has none: trials report "
+                   "their evaluation (test_*) metrics as they train", "rank by a test_* metric, or pruner: none")
+    if spec.pruner == "none" and spec.pruner_args:
+        raise _err("pruner_args", "are set but pruner is none", "choose a pruner (e.g. pruner: asha) or remove pruner_args")
+    if spec.trials is not None and not 1 <= spec.trials <= MAX_TRIALS:
+        raise _err("trials", f"must be 1-{MAX_TRIALS}, got {spec.trials}", "e.g. trials: 16")
+    if spec.trials is None and spec.method != "grid":
+        raise _err("trials", f"method: {spec.method} needs trials >= 1 (none given)", "e.g. trials: 16")
     if not spec.parameters:
         raise _err("parameters", "is empty: nothing to sweep", "e.g. parameters: {optim.lr: [0.01, 0.1]}")
     if spec.command is not None:
@@ -218,18 +247,18 @@ def validate(spec: SweepSpec) -> None:
             raise _err(f"parameters.{key}", f"is no longer a key ({LEGACY[key][1]})", "remove it from parameters")
         if key in PER_TRIAL and spec.command is None:
             raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
-        _check_parameter(spec, key, value)
+        shape = parameter(spec, key, value)
+        if spec.method == "grid" and shape["type"] != "categorical":
+            raise _err(f"parameters.{key}", "a range needs an adaptive or random method (a grid lists its values)",
+                       f"list the grid's values, e.g. {key}: [value1, value2], or set method: tpe and trials: N")
     _check_args(spec)
-    space = _space(spec) if spec.method == "random" else math.inf
+    space = _space(spec)
     if spec.trials and spec.trials > space:
         raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {space}",
-                   f"use trials: {space} or fewer, widen the ranges, or use method: grid")
-    if spec.method == "grid":
-        count = math.prod(len(v) for v in spec.parameters.values())
-        if count > MAX_TRIALS:
-            raise _err("parameters", f"the grid has {count} trials; one Slurm array holds at most {MAX_TRIALS}",
-                       "Slurm's default MaxArraySize is 1001: list fewer values, split the sweep, "
-                       f"or use method: random with trials: {MAX_TRIALS} or fewer")
+                   f"use trials: {space} or fewer, or widen the ranges")
+    if spec.method == "grid" and space > MAX_TRIALS:
+        raise _err("parameters", f"the grid has {space} trials; a sweep runs at most {MAX_TRIALS}",
+                   f"list fewer values, split the sweep, or use method: tpe with trials: {MAX_TRIALS} or fewer")
 
 
 def _check_command(spec: SweepSpec) -> None:
@@ -251,45 +280,26 @@ def _check_command(spec: SweepSpec) -> None:
 
 
 def _space(spec: SweepSpec) -> float:
-    """How many distinct trials a random spec can draw (lists and int ranges are finite; real ranges are not)."""
-    sizes = [len(v) if isinstance(v, list) else v["max"] - v["min"] + 1 if v["distribution"] == "int_uniform"
-             else math.inf for v in spec.parameters.values()]
+    """How many distinct trials the parameters allow (lists and int ranges are finite; real ranges are not)."""
+    sizes: list[float] = []
+    for key, value in spec.parameters.items():
+        p = parameter(spec, key, value)
+        if p["type"] == "categorical":
+            sizes.append(len(p["choices"]))
+        elif p["type"] == "int" and not p["log"]:
+            sizes.append((p["high"] - p["low"]) // p.get("step", 1) + 1)
+        else:
+            sizes.append(math.inf)
     return math.prod(sizes)
 
 
-def _sample(rng: random.Random, value: Any) -> Any:
-    if isinstance(value, list):
-        return rng.choice(value)
-    lo, hi = value["min"], value["max"]
-    if value["distribution"] == "int_uniform":
-        return rng.randint(lo, hi)  # both ends included
-    x = math.exp(rng.uniform(math.log(lo), math.log(hi))) if value["distribution"] == "log_uniform" else rng.uniform(lo, hi)
-    # 4 significant digits: what the table shows is exactly what ran; the clamp keeps rounding inside the bounds.
-    return min(max(float(f"{x:.4g}"), lo), hi)
+def grid(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Every combination of a grid's lists, the last parameter varying fastest, in the spec's order."""
+    import itertools
 
-
-def plan(spec: SweepSpec) -> list[Trial]:
-    """The trials of a validated spec: grid = every combination, the last parameter varying fastest, in the
-    spec's order; random = ``trials`` samples from ``random.Random(seed)``, so the same seed gives the same trials."""
     keys = list(spec.parameters)
-    if spec.method == "grid":
-        combos = [dict(zip(keys, values, strict=True)) for values in itertools.product(*spec.parameters.values())]
-    else:
-        # Drawn in sequence, a repeat drawn again: more trials extend the list, and no trial runs twice.
-        rng, combos, seen = random.Random(spec.seed), [], set()
-        for _ in range(1000 * (spec.trials or 0)):
-            c = {k: _sample(rng, spec.parameters[k]) for k in keys}
-            if (text := json.dumps(c)) not in seen:
-                seen.add(text)
-                combos.append(c)
-            if len(combos) == spec.trials:
-                break
-        else:  # validate() checked the space is large enough; only bad luck in a nearly full one ends here
-            raise _err("trials", f"drew only {len(combos)} distinct trials of {spec.trials}",
-                       "use fewer trials, or widen the ranges")
-    if spec.command is not None:
-        return [Trial(i, c, command_argv(spec.command, c), command=True) for i, c in enumerate(combos)]
-    return [Trial(i, c, [*spec.args, *(_arg(k, v) for k, v in c.items())]) for i, c in enumerate(combos)]
+    lists = [parameter(spec, k, spec.parameters[k])["choices"] for k in keys]
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*lists)]
 
 
 def command_argv(command: str, values: dict[str, Any]) -> list[str]:

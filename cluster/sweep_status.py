@@ -1,6 +1,6 @@
-"""A sweep's progress: each trial's state (its run folder, and Slurm's view of the array) and metric, as a table.
+"""A sweep's progress: the study's trials (state, metric, steps reported) and Slurm's view of its workers, as a table.
 
-What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` plans and submits.
+What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` submits, :mod:`cluster.worker` runs.
 """
 
 from __future__ import annotations
@@ -14,41 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from cluster import sweep_report
-from cluster.trials import Row, columns, fmt, is_number
+from cluster.trials import Row, columns, show
 from trainer.core.errors import UserError
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted")
-"""Slurm states (lower case) after which a trial runs no more; a requeued task shows pending/requeued instead."""
+"""Slurm states (lower case) after which a worker runs no more; a requeued one shows pending/requeued instead."""
+
+STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
+"""Optuna's trial states as the table spells them."""
 
 
-def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
-    """``--wait``: wait for every trial, print the table and where each failed trial's log is; 1 if any failed."""
-    try:
-        rows = wait_for(sweep_dir, poll_s)
-    except KeyboardInterrupt:  # stops the waiting, not the sweep
-        print(f"\nstopped waiting; the sweep runs on: python -m cluster sweep-status {shlex.quote(str(sweep_dir))}",
-              file=sys.stderr)
-        return 130
-    print(format_status(sweep_dir, rows))
-    page(sweep_dir, rows)
-    data = _read_sweep(sweep_dir)
-    failed = [r for r in rows if r.state != "done"]
-    for r in sorted(failed, key=lambda r: r.index):
-        # submitit's log layout (rank 0); a one-trial sweep is a plain job, not an array
-        job = data["array_job_id"] if len(rows) == 1 else f"{data['array_job_id']}_{r.index}"
-        print(f"trial {r.index} ended {r.state} without a result; log: {sweep_dir / 'logs' / job / f'{job}_0_log.err'}",
-              file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _job_indexes(job: str, array_id: str, n: int) -> list[int]:
-    """Array indexes named by a sacct/squeue JobID: ``123_4``, a pending range ``123_[0-3,7%2]``, or ``123``."""
+def job_indexes(job: str, array_id: str) -> list[int]:
+    """Array indexes named by a sacct/squeue JobID: ``123_4``, or a pending range ``123_[0-3,7%2]``."""
     head, _, tail = job.partition("_")
-    if head != array_id:
+    if head != array_id or not tail:
         return []
-    if not tail:
-        return [0] if n == 1 else []  # submitit submits a one-trial sweep as a plain job
     if tail.isdigit():
         return [int(tail)]
     out: list[int] = []
@@ -59,105 +40,158 @@ def _job_indexes(job: str, array_id: str, n: int) -> list[int]:
     return out
 
 
-def _ask(cmd: list[str]) -> str:
+def _ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):  # no Slurm here, or it hangs
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+        return None
 
 
-def slurm_states(array_id: str, n: int) -> dict[int, str]:
-    """Slurm's state (lower case) of each array task: sacct first, squeue for tasks sacct does not know (yet)."""
-    states: dict[int, str] = {}
-    for cmd in (["sacct", "-j", array_id, "-n", "-P", "-X", "--format=JobID,State"],
-                ["squeue", "-h", "-r", "-j", array_id, "-o", "%i|%T"]):
-        for line in _ask(cmd).splitlines():
+def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
+    """The (array, task) pairs Slurm lists as pending or running (any state squeue still shows); None when squeue
+    cannot answer (then nothing may be concluded)."""
+    if not arrays:
+        return set()
+    proc = _ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
+    if proc is None:
+        return None
+    if proc.returncode:  # every job gone from slurmctld's memory: "Invalid job id specified"
+        return set() if "Invalid job id" in proc.stderr else None
+    return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
+
+
+def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
+    """Slurm's state (lower case) of each worker: sacct first, squeue for tasks sacct does not know (yet)."""
+    states: dict[tuple[str, int], str] = {}
+    if not arrays:
+        return states
+    joined = ",".join(arrays)
+    for cmd in (["sacct", "-j", joined, "-n", "-P", "-X", "--format=JobID,State"],
+                ["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T"]):
+        proc = _ask(cmd)
+        for line in (proc.stdout if proc is not None and proc.returncode == 0 else "").splitlines():
             job, _, state = line.strip().partition("|")
-            for i in _job_indexes(job, array_id, n):
-                if state.split():
-                    states.setdefault(i, state.split()[0].lower())  # "CANCELLED by 0" → cancelled
-        if len(states) >= n:
-            break
+            for a in arrays:
+                for i in job_indexes(job, a):
+                    if state.split():
+                        states.setdefault((a, i), state.split()[0].lower())  # "CANCELLED by 0" → cancelled
     return states
 
 
-def _read_sweep(sweep_dir: Path) -> dict[str, Any]:
+def read_sweep(sweep_dir: Path) -> dict[str, Any]:
+    """The sweep's record (sweep.json), or a clear error for a folder that is not a sweep."""
     try:
         data: dict[str, Any] = json.loads((sweep_dir / "sweep.json").read_text())
     except (OSError, ValueError):
         raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} is not a sweep folder (no readable sweep.json)",
                         "pass a folder under sweeps/ made by `make sweep`, e.g. SWEEP_DIR=sweeps/example-20250101-120000"
                         ) from None
+    if "study" not in data:
+        raise UserError("SWEEP_DIR", f"{sweep_dir} is a sweep of an earlier version (no study)",
+                        "its trials' run folders and result.json are still there; submit a new sweep for the table")
     return data
 
 
 def _sort_key(mode: str) -> Any:
     def key(r: Row) -> tuple[int, float, int]:
-        if r.value is None:
+        if r.value is None or r.state != "complete":
             return (1, 0.0, r.index)
         return (0, -r.value if mode == "max" else r.value, r.index)
     return key
 
 
-def status(sweep_dir: Path) -> list[Row]:
-    """Every trial with its state and metric, best first (per the spec's mode); trials without a metric last."""
-    data = _read_sweep(sweep_dir)
-    metric, mode, trials = data["spec"]["metric"], data["spec"]["mode"], data["trials"]
-    slurm = slurm_states(str(data["array_job_id"]), len(trials)) if data["array_job_id"] else {}
+def status(sweep_dir: Path) -> tuple[list[Row], Any]:
+    """Every trial with its state and metric, best first (per the spec's mode), and the study."""
+    from cluster.study import open_study
+
+    data = read_sweep(sweep_dir)
+    study = open_study(data, sweep_dir)
+    slurm = slurm_states([str(a) for a in data.get("arrays", [])])
     rows = []
-    for t in trials:
-        run_dir = Path(t["run_dir"])
-        raw = slurm.get(t["index"], "unknown")
-        value: float | None = None
-        try:
-            found = json.loads((run_dir / "result.json").read_text())[metric]
-            value = found if is_number(found) else None
-            state = "done"
-        except (OSError, ValueError, KeyError):
-            # A saved-for-requeue trial waits for its next start, unless Slurm has already ended it for good.
-            state = "requeued" if (run_dir / "requeue.json").exists() and raw not in FINISHED else raw
-        rows.append(Row(t["index"], t["overrides"], state, raw, value, run_dir))
-    return sorted(rows, key=_sort_key(mode))
+    for t in study.get_trials(deepcopy=False):
+        task = (str(t.user_attrs.get("array", "")), int(t.user_attrs.get("worker", -1)))
+        raw = slurm.get(task, "unknown")
+        state = STATES[t.state.name]
+        if state == "running" and raw in ("pending", "requeued"):
+            state = "requeued"
+        steps = t.intermediate_values
+        value = t.value if t.state.name == "COMPLETE" else steps[max(steps)] if steps and state == "pruned" else None
+        run_dir = Path(t.user_attrs.get("run_dir") or sweep_dir / "trials" / str(t.number))
+        rows.append(Row(t.number, dict(t.params), state, raw, value, run_dir, len(steps),
+                        f"{task[0]}_{task[1]}" if task[0] else ""))
+    return sorted(rows, key=_sort_key(data["spec"]["mode"])), study
+
+
+def workers_ended(data: dict[str, Any], seen: set[tuple[str, int]], gone: bool) -> tuple[int, int]:
+    """(workers ended, workers): by sacct's final states; without accounting, a worker squeue listed once and no longer
+    lists has ended (squeue forgets ended jobs), and one never seen counts as ended once ``gone``."""
+    arrays = [str(a) for a in data.get("arrays", [])]
+    workers = [(a, i) for a in arrays for i in range(int(data["spec"]["max_parallel"]))]
+    states = slurm_states(arrays)
+    seen |= set(states)
+    ended = sum(states.get(w, "unknown") in FINISHED or (w not in states and (w in seen or gone)) for w in workers)
+    return ended, len(workers)
 
 
 FORGOTTEN_S = 120.0
-"""A trial Slurm never reported (no accounting, and squeue forgets ended jobs) counts as ended after this long."""
+"""A worker Slurm never reported (no accounting, and squeue forgets ended jobs) counts as ended after this long."""
 
 
-def wait_for(sweep_dir: Path, poll_s: float = 5.0) -> list[Row]:
-    """Poll :func:`status` until Slurm has ended every trial (a requeued trial is waited for); print progress.
-
-    Without accounting, a trial squeue once listed and no longer knows has ended (squeue forgets ended jobs);
-    one never seen at all counts as ended after :data:`FORGOTTEN_S`, so waiting always ends.
-    """
-    last, seen, started = -1, set(), time.monotonic()
+def wait_for(sweep_dir: Path, poll_s: float = 5.0) -> None:
+    """Poll until Slurm has ended every worker (a requeued worker is waited for); print progress as trials end."""
+    data, seen, started, last = read_sweep(sweep_dir), set[tuple[str, int]](), time.monotonic(), ""
     while True:
-        rows = status(sweep_dir)
-        seen |= {r.index for r in rows if r.slurm != "unknown"}
-        gone = time.monotonic() - started > FORGOTTEN_S
-        ended = sum(r.slurm in FINISHED or (r.slurm == "unknown" and (r.state == "done" or r.index in seen or gone))
-                    for r in rows)
-        if ended != last:
-            print(f"{ended}/{len(rows)} trials ended", flush=True)
-            last = ended
-        if ended == len(rows):
-            return rows
+        ended, total = workers_ended(data, seen, time.monotonic() - started > FORGOTTEN_S)
+        rows, _ = status(sweep_dir)
+        done = sum(r.state in ("complete", "pruned", "failed") for r in rows)
+        line = f"{done}/{data['target']} trials ended ({sum(r.state == 'running' for r in rows)} running)"
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if ended == total:
+            return
         time.sleep(poll_s)
 
 
+def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
+    """``--wait``: wait for every worker, print the table and each failed trial's cause and log; 1 if one failed."""
+    try:
+        wait_for(sweep_dir, poll_s)
+    except KeyboardInterrupt:  # stops the waiting, not the sweep
+        print(f"\nstopped waiting; the sweep runs on: python -m cluster sweep-status {shlex.quote(str(sweep_dir))}",
+              file=sys.stderr)
+        return 130
+    rows, study = status(sweep_dir)
+    print(format_status(sweep_dir, rows))
+    page(sweep_dir, rows, study)
+    failed = [r for r in rows if r.state not in ("complete", "pruned")]
+    for r in sorted(failed, key=lambda r: r.index):
+        cause: dict[str, Any] = next((t.user_attrs for t in study.get_trials(deepcopy=False) if t.number == r.index), {})
+        why = cause.get("cause") or cause.get("lost") or r.state
+        print(f"trial {r.index} {r.state}: {why}; its folder: {r.run_dir}; its worker's log: "
+              f"{log_path(sweep_dir, r.worker)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def log_path(sweep_dir: Path, worker: str) -> Path:
+    """A worker's batch log (the worker script's --output)."""
+    return sweep_dir / "logs" / f"worker-{worker}.out"
+
+
 def format_status(sweep_dir: Path, rows: list[Row]) -> str:
-    """The status table (trial, swept values, state, metric) and, last, the best trial's run folder."""
-    data = _read_sweep(sweep_dir)
-    metric, mode, keys = data["spec"]["metric"], data["spec"]["mode"], list(data["spec"]["parameters"])
-    body = [[str(r.index), *(fmt(r.overrides.get(k)) for k in keys), r.state,
-             "-" if r.value is None else f"{r.value:.4f}" if isinstance(r.value, float) else str(r.value)] for r in rows]
-    scored = sorted((r for r in rows if r.value is not None), key=_sort_key(mode))
+    """The status table (trial, swept values, state, steps, metric, worker) and, last, the best trial's run folder."""
+    data = read_sweep(sweep_dir)
+    spec = data["spec"]
+    metric, mode, keys = spec["metric"], spec["mode"], list(spec["parameters"])
+    body = [[str(r.index), *(show(r.overrides.get(k)) for k in keys), r.state, str(r.steps),
+             "-" if r.value is None else f"{r.value:.4f}", r.worker or "-"] for r in rows]
+    scored = [r for r in rows if r.state == "complete" and r.value is not None]
     best = (f"best: trial {scored[0].index} ({metric} {scored[0].value}, {mode}): {scored[0].run_dir}" if scored
-            else f"best: none yet (no trial has {metric} in its result.json)")
-    array = data["array_job_id"] or "(not submitted)"
-    head = f"sweep {data['sweep_id']}: array {array}, {len(rows)} trials, ranked by {metric} ({mode})"
-    return f"{head}\n{columns(['trial', *keys, 'state', metric], body)}\n{best}"
+            else f"best: none yet (no trial has completed with {metric})")
+    arrays = ", ".join(str(a) for a in data.get("arrays", [])) or "(not submitted)"
+    head = (f"sweep {data['sweep_id']}: {spec['method']}, pruner {spec['pruner']}, {len(rows)} of {data['target']} "
+            f"trials, workers: array {arrays}; ranked by {metric} ({mode})")
+    return f"{head}\n{columns(['trial', *keys, 'state', 'steps', metric, 'worker'], body)}\n{best}"
 
 
 def newest_sweep(root: Path) -> Path:
@@ -172,15 +206,15 @@ def newest_sweep(root: Path) -> Path:
 def show_status(sweep_dir: str | None) -> int:
     """``python -m cluster sweep-status``: print the table of one sweep (default: the newest)."""
     folder = Path(sweep_dir) if sweep_dir else newest_sweep(Path.cwd())
-    rows = status(folder)
+    rows, study = status(folder)
     print(format_status(folder, rows))
-    page(folder, rows)
+    page(folder, rows, study)
     return 0
 
 
-def page(sweep_dir: Path, rows: list[Row]) -> None:
-    """sweep.html and sweep.png (cluster/sweep_report.py); a plotting problem costs a note, not the status."""
+def page(sweep_dir: Path, rows: list[Row], study: Any) -> None:
+    """sweep.html (cluster/sweep_report.py); a plotting problem costs a note, not the status."""
     try:
-        print(f"report: {sweep_report.write(sweep_dir, _read_sweep(sweep_dir), rows)}")
+        print(f"report: {sweep_report.write(sweep_dir, read_sweep(sweep_dir), rows, study)}")
     except Exception as exc:
         print(f"note: no sweep report ({type(exc).__name__}: {exc})", file=sys.stderr)

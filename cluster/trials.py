@@ -10,20 +10,24 @@ from typing import Any
 
 @dataclass
 class Row:
-    """One trial as :func:`status` sees it."""
+    """One trial of the study as :func:`cluster.sweep_status.status` sees it."""
 
     index: int
-    """Trial index."""
+    """The trial's number in the study."""
     overrides: dict[str, Any]
-    """The trial's swept values."""
+    """The trial's values of the swept parameters."""
     state: str
-    """done (result.json), requeued (requeue.json), else Slurm's state in lower case, or unknown."""
+    """complete, pruned, failed, running, requeued (running, its worker waiting in Slurm's queue) or waiting (planned)."""
     slurm: str
-    """Slurm's own state in lower case, or unknown when neither sacct nor squeue knows the task."""
+    """Slurm's state of the trial's worker (array task) in lower case, or unknown."""
     value: float | None
-    """The metric from result.json; None until the trial is done."""
+    """The metric the study was told; for a pruned trial its last intermediate value; None otherwise."""
     run_dir: Path
     """The trial's run folder."""
+    steps: int = 0
+    """Intermediate values the study holds (one per reported step)."""
+    worker: str = ""
+    """The array task that ran it (``<array>_<task>``)."""
 
 
 def fmt(value: Any) -> str:
@@ -31,6 +35,11 @@ def fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)
+
+
+def show(value: Any) -> str:
+    """A value as a table shows it: floats to 4 significant digits (the trial ran with the full value)."""
+    return f"{value:.4g}" if isinstance(value, float) else fmt(value)
 
 
 def is_number(value: Any) -> bool:

@@ -1,31 +1,33 @@
-"""Sweeps: spec validation, trial planning, status ranking, the array script, and one real array on the dev cluster."""
+"""Sweeps without Slurm: spec validation, Optuna's plans, the workers' protocol against a real journal study, status,
+the sweep page, the dashboard in a real browser. The dev-cluster sweeps are in tests/test_sweep_cluster.py."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from cluster import sweep, sweep_spec, sweep_status
+from cluster import study as studies
+from cluster import sweep, sweep_spec, sweep_status, worker
 from cluster.__main__ import main as cluster_main
-from cluster.sweep_spec import SweepSpec, plan
-from cluster.sweep_status import status
+from cluster.sweep_spec import SweepSpec, trial_args
 from trainer.core.config import load as load_train_config
 from trainer.core.files import write_json
 
-from .conftest import ROOT, SMALL, faults
-from .test_slurm import sh, slurm_env, wait_for
-from .wandb_records import records
-
-__all__ = ["slurm_env"]  # the fixture, imported for the dev-cluster test below
+from .conftest import ROOT, free_port
 
 GRID = "parameters: {optim.lr: [0.05, 0.1], data.batch_size: [32, 64]}"
+TPE = "method: tpe\ntrials: 4\nparameters: {optim.lr: {type: float, low: 0.001, high: 0.1, log: true}}"
 
 
 def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
@@ -43,32 +45,48 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 # (spec YAML, the field the error names, a piece of its message)
 BAD_SPECS = [
     ("name: 'a b'\n" + GRID, "sweep.name", "characters"),
-    ("method: bayes\n" + GRID, "sweep.method", "grid or random"),
+    ("method: bayes\n" + GRID, "sweep.method", "tpe, random, grid, cmaes"),
     ("methd: grid\n" + GRID, "sweep.methd", "not in"),
     ("parameters: {}", "sweep.parameters", "empty"),
     ("parameters: [optim.lr]", "sweep.parameters", "mapping"),
     ("parameters: {optim.lr: []}", "sweep.parameters.optim.lr", "no values"),
     ("parameters: {optim.lr: [0.1, 0.1]}", "sweep.parameters.optim.lr", "twice"),
-    ("parameters: {optim.lr: {distribution: uniform, min: 0.01, max: 0.1}}", "sweep.parameters.optim.lr", "method: random"),
-    ("method: random\ntrials: 2\nparameters: {optim.lr: {distribution: uniform, min: 0.1, max: 0.1}}",
-     "sweep.parameters.optim.lr", "below max"),
-    ("method: random\ntrials: 2\nparameters: {optim.lr: {distribution: log_uniform, min: 0, max: 0.1}}",
-     "sweep.parameters.optim.lr.min", "min > 0"),
+    ("parameters: {optim.lr: {type: float, low: 0.01, high: 0.1}}", "sweep.parameters.optim.lr", "a grid lists"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: float, low: 0.1, high: 0.1}}",
+     "sweep.parameters.optim.lr", "empty range"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: float, low: 0, high: 0.1, log: true}}",
+     "sweep.parameters.optim.lr.low", "low > 0"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: normal, low: 0.01, high: 0.1}}",
+     "sweep.parameters.optim.lr.type", "float, int, categorical"),
     ("method: random\ntrials: 2\nparameters: {optim.lr: {distribution: normal, min: 0.01, max: 0.1}}",
      "sweep.parameters.optim.lr.distribution", "uniform"),
-    ("method: random\ntrials: 2\nparameters: {data.batch_size: {distribution: int_uniform, min: 8.5, max: 64}}",
-     "sweep.parameters.data.batch_size.min", "whole number"),
-    ("method: random\ntrials: 2\nparameters: {optim.lr: {distribution: uniform, max: 0.1}}",
-     "sweep.parameters.optim.lr.min", "required"),
-    ("method: random\n" + GRID, "sweep.trials", "trials >= 1"),
-    ("method: random\ntrials: 1001\n" + GRID, "sweep.trials", "at most 1000"),
-    ("trials: 4\n" + GRID, "sweep.trials", "random only"),
+    ("method: tpe\ntrials: 2\nparameters: {data.batch_size: {type: int, low: 8.5, high: 64}}",
+     "sweep.parameters.data.batch_size.low", "whole number"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: float, high: 0.1}}", "sweep.parameters.optim.lr.low",
+     "required"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: float, low: 0.01, high: 0.1, lo: 1}}",
+     "sweep.parameters.optim.lr.lo", "unknown key"),
+    ("method: tpe\ntrials: 2\nparameters: {optim.lr: {type: float, low: 0.01, high: 0.1, log: true, step: 0.01}}",
+     "sweep.parameters.optim.lr.step", "without log"),
+    ("method: random\n" + GRID, "sweep.trials", "needs trials"),
+    ("method: tpe\ntrials: 1001\n" + GRID, "sweep.trials", "1-1000"),
     ("parameters: {optim.lr: [" + ", ".join(str(i / 1000 + 0.001) for i in range(1001)) + "]}",
      "sweep.parameters", "1001 trials"),
     ("max_parallel: 0\n" + GRID, "sweep.max_parallel", ">= 1"),
     ("max_parallel: two\n" + GRID, "sweep.max_parallel", "Integer"),
     ("metric: accuracy\n" + GRID, "sweep.metric", "not a metric"),
     ("mode: best\n" + GRID, "sweep.mode", "max or min"),
+    ("pruner: early\n" + GRID, "sweep.pruner", "median, asha"),
+    ("pruner: asha\nmetric: train_samples_per_s\n" + GRID, "sweep.pruner", "intermediate values"),
+    ("pruner: median\nargs: [train.epochs=1]\n" + GRID, "sweep.pruner", "evaluates once"),
+    ("pruner_args: {min_resource: 2}\n" + GRID, "sweep.pruner_args", "pruner is none"),
+    ("pruner: asha\npruner_args: {reduction: 2}\nargs: [train.epochs=2]\n" + GRID, "sweep.pruner_args",
+     "SuccessiveHalvingPruner refused"),
+    ("sampler_args: {n_startup: 2}\n" + TPE, "sweep.sampler_args", "TPESampler refused"),
+    ("sampler_args: {seed: 2}\n" + TPE, "sweep.sampler_args.seed", "sweep's seed"),
+    ("storage: 'nowhere://x'\n" + GRID, "sweep.storage", "driver"),
+    ("storage: 'not a url'\n" + GRID, "sweep.storage", "neither journal"),
+    ("storage: 'mysql+nosuchdriver://u@h/db'\n" + GRID, "sweep.storage", "driver"),
     ("args: [optim.momentum]\n" + GRID, "sweep.args", "key=value"),
     ("args: [optim.momentun=0.5]\n" + GRID, "sweep.args", "unknown key"),
     ("args: [optim.lr=0.3]\n" + GRID, "sweep.args", "also a swept parameter"),
@@ -80,8 +98,8 @@ BAD_SPECS = [
     ("profile: {nodes: 2}\nparameters: {data.global_batch_size: [64, 63]}", "sweep.parameters.data.global_batch_size",
      "63 samples per step do not split equally across 2 processes"),
     ("profile: {nodez: 1}\n" + GRID, "sweep.profile.nodez", "not in"),
+    ("profile: {spare_nodes: 1}\n" + GRID, "sweep.profile.spare_nodes", "fixed number of nodes"),
     ("cluster: nowhere\n" + GRID, "sweep.cluster", "no profile"),
-    ("profile: {launch: torchrun}\n" + GRID, "sweep.profile.launch", "submitit"),
     ("parameters: {optim.lr: [0.1\n", "SWEEP", "not valid YAML"),
     ("parameters: {optim.lr: [1, 1.0]}", "sweep.parameters.optim.lr", "twice"),
     ("parameters: {optim: {lr: [0.1, 0.2]}}", "sweep.parameters.optim", "group of keys"),
@@ -89,8 +107,9 @@ BAD_SPECS = [
     ("args: [checkpoint.signal=SIGTERM]\n" + GRID, "sweep.args", "no longer a key"),
     ("method: random\ntrials: 5\nparameters: {optim.name: [sgd, adamw], data.batch_size: [32, 64]}",
      "sweep.trials", "only 4"),
-    ("method: random\ntrials: 4\nparameters: {data.batch_size: {distribution: int_uniform, min: 16, max: 18}}",
-     "sweep.trials", "only 3"),
+    ("method: random\ntrials: 4\nparameters: {data.batch_size: {type: int, low: 16, high: 18}}", "sweep.trials", "only 3"),
+    ("method: tpe\ntrials: 8\nparameters: {data.batch_size: {type: int, low: -3, high: 4}}",
+     "sweep.parameters.data.batch_size", "must be > 0"),
 ]
 
 
@@ -108,6 +127,16 @@ def test_bad_spec_is_a_user_error_naming_the_field(text: str, field: str, messag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]  # nothing written
 
 
+def test_sqlite_on_a_network_file_system_is_refused_with_the_reason(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(studies, "filesystem", lambda path: "nfs4")
+    with pytest.raises(Exception, match="SQLite on nfs4") as err:
+        studies.check_storage(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    assert "journal" in str(getattr(err.value, "hint", ""))
+    monkeypatch.setattr(studies, "filesystem", lambda path: "ext4")
+    studies.check_storage(f"sqlite:///{tmp_path}/s.db", tmp_path)  # a local disk: allowed
+
+
 def test_a_bad_trainer_key_keeps_the_trainers_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = cli(["sweep", str(write(tmp_path, "parameters: {optim.lrr: [0.1]}")), "--dry-run"], capsys)
     assert rc == 2 and "HINT: valid keys under 'optim': " in err and "lr," in err and "Traceback" not in err
@@ -116,8 +145,10 @@ def test_a_bad_trainer_key_keeps_the_trainers_hint(tmp_path: Path, capsys: pytes
 @pytest.mark.parametrize(("argv", "field"), [
     (["sweep", "missing.yaml"], "SWEEP"),
     (["sweep", "SPEC", "--set", "nodes"], "--set"),
+    (["sweep", "SPEC", "--resume", "."], "SWEEP_DIR"),
     (["sweep-status"], "SWEEP_DIR"),
     (["sweep-status", "."], "SWEEP_DIR"),
+    (["sweep-dashboard", "."], "SWEEP_DIR"),
 ])
 def test_cli_input_errors(argv: list[str], field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,160 +164,74 @@ def spec_of(tmp_path: Path, text: str) -> SweepSpec:
 
 def test_grid_is_the_cartesian_product_in_a_stable_order(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, "args: [train.epochs=1]\nparameters: {optim.lr: [0.01, 0.05, 0.2], data.batch_size: [32, 64]}")
-    trials = plan(spec)
-    assert [(t.index, t.overrides["optim.lr"], t.overrides["data.batch_size"]) for t in trials] == [
-        (0, 0.01, 32), (1, 0.01, 64), (2, 0.05, 32), (3, 0.05, 64), (4, 0.2, 32), (5, 0.2, 64)]
-    assert trials[3].args == ["train.epochs=1", "optim.lr=0.05", "data.batch_size=64"]
-    assert plan(spec) == trials
-    folder = tmp_path / "sweeps" / "s-20250101-000000"
-    assert trials[3].task_args(folder) == [*trials[3].args, "tracking.group=s-20250101-000000",
-                                           "run.name=s-20250101-000000-3"]  # the run folder comes as RUN_DIR
+    trials = studies.plan(spec, [], None)
+    assert [(t["optim.lr"], t["data.batch_size"]) for t in trials] == [
+        (0.01, 32), (0.01, 64), (0.05, 32), (0.05, 64), (0.2, 32), (0.2, 64)]
+    assert studies.plan(spec, trials[:2], None) == trials[2:]  # a RESUME runs what is left
+    assert studies.plan(spec, [], 2) == trials[:2]
+    assert trial_args(spec, trials[3], "s-20250101-000000", 7) == [
+        "train.epochs=1", "optim.lr=0.05", "data.batch_size=64", "tracking.group=s-20250101-000000",
+        "run.name=s-20250101-000000-7"]  # the run folder comes as RUN_DIR
 
 
 def test_grid_values_render_as_the_trainer_reads_them(tmp_path: Path) -> None:
     spec = spec_of(tmp_path, "parameters: {train.deterministic: [true, false], optim.lr: [1e-4], model.name: [cnn]}")
-    assert [t.args for t in plan(spec)] == [["train.deterministic=true", "optim.lr=0.0001", "model.name=cnn"],
-                                            ["train.deterministic=false", "optim.lr=0.0001", "model.name=cnn"]]
+    assert [trial_args(spec, t, "s", 0)[:3] for t in studies.plan(spec, [], None)] == [
+        ["train.deterministic=true", "optim.lr=0.0001", "model.name=cnn"],
+        ["train.deterministic=false", "optim.lr=0.0001", "model.name=cnn"]]
 
 
 def test_string_values_reach_the_trainer_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # YAML would read these back as something else: a bool, an int, a comment, a quoted word, null.
     values = ["exp #1", "yes", "0x10", '"q"', "null", "a: b", "plain"]
     spec = spec_of(tmp_path, "parameters: {tracking.project: " + json.dumps(values) + "}")
-    for t in plan(spec):
-        assert load_train_config(t.task_args(tmp_path)).tracking.project == values[t.index]
-    rc, out, _ = cli(["sweep", str(write(tmp_path, "parameters: {tracking.project: " + json.dumps(values) + "}")),
-                      "--dry-run"], capsys)
-    assert rc == 0 and [line.split(None, 1)[1] for line in out.split("\n\n")[0].splitlines()[2:]] == values
+    for i, t in enumerate(studies.plan(spec, [], None)):
+        assert load_train_config(trial_args(spec, t, "s", i)).tracking.project == values[i]
 
 
 def test_random_trials_are_distinct(tmp_path: Path) -> None:
     text = "method: random\ntrials: {n}\nparameters: {{optim.name: [sgd, adamw], data.batch_size: [32, 64]}}"
-    trials = plan(spec_of(tmp_path, text.format(n=4)))
-    assert sorted(tuple(t.overrides.values()) for t in trials) == [("adamw", 32), ("adamw", 64), ("sgd", 32), ("sgd", 64)]
-    assert plan(spec_of(tmp_path, text.format(n=3))) == trials[:3]
+    trials = studies.plan(spec_of(tmp_path, text.format(n=4)), [], 4)
+    assert sorted(tuple(t.values()) for t in trials) == [("adamw", 32), ("adamw", 64), ("sgd", 32), ("sgd", 64)]
+    assert studies.plan(spec_of(tmp_path, text.format(n=3)), [], 3) == trials[:3]
 
 
 RANDOM = """method: random
 trials: {trials}
 seed: {seed}
 parameters:
-  optim.lr: {{distribution: log_uniform, min: 0.0001, max: 1}}
+  optim.lr: {{type: float, low: 0.0001, high: 1, log: true}}
   optim.momentum: {{distribution: uniform, min: 0.8, max: 0.99}}
-  data.batch_size: {{distribution: int_uniform, min: 16, max: 20}}
+  data.batch_size: {{type: int, low: 16, high: 20}}
   optim.name: [sgd, adamw]
 """
 
 
 def test_random_sampling_is_seeded_and_inside_the_bounds(tmp_path: Path) -> None:
-    trials = plan(spec_of(tmp_path, RANDOM.format(trials=400, seed=7)))
-    assert len(trials) == 400 and [t.index for t in trials] == list(range(400))
-    assert plan(spec_of(tmp_path, RANDOM.format(trials=400, seed=7))) == trials
-    assert plan(spec_of(tmp_path, RANDOM.format(trials=400, seed=8))) != trials
-    assert plan(spec_of(tmp_path, RANDOM.format(trials=5, seed=7))) == trials[:5]  # more trials extend, not reshuffle
-    lrs = [t.overrides["optim.lr"] for t in trials]
+    def draw(n: int, seed: int, taken: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
+        return studies.plan(spec_of(tmp_path, RANDOM.format(trials=n, seed=seed)), taken or [], n)
+
+    trials = draw(400, 7)
+    assert len(trials) == 400 and draw(400, 7) == trials and draw(400, 8) != trials
+    assert draw(5, 7) == trials[:5]  # more trials extend, not reshuffle
+    assert draw(5, 7, trials[:5]) == trials[5:10]  # a RESUME continues the same sequence
+    lrs = [float(t["optim.lr"]) for t in trials]  # type: ignore[arg-type]
     assert all(0.0001 <= v <= 1 for v in lrs)
-    assert all(0.8 <= t.overrides["optim.momentum"] <= 0.99 for t in trials)
-    sizes = [t.overrides["data.batch_size"] for t in trials]
+    assert all(0.8 <= t["optim.momentum"] <= 0.99 for t in trials)  # type: ignore[operator]
+    sizes = [t["data.batch_size"] for t in trials]
     assert all(isinstance(v, int) for v in sizes) and set(sizes) == {16, 17, 18, 19, 20}  # both ends included
-    assert {t.overrides["optim.name"] for t in trials} == {"sgd", "adamw"}
-    # log_uniform: each of the four decades gets about a quarter (uniform would put ~90% in the top one).
+    assert {t["optim.name"] for t in trials} == {"sgd", "adamw"}
+    # log: each of the four decades gets about a quarter (uniform would put ~90% in the top one).
     decades = [sum(1 for v in lrs if 10 ** (k - 4) <= v < 10 ** (k - 3)) for k in range(4)]
     assert all(60 <= n <= 140 for n in decades), decades
-    assert trials[0].args[0].startswith("optim.lr=") and float(trials[0].args[0].split("=")[1]) == lrs[0]
 
 
-def test_random_trials_are_validated_by_the_trainer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = "method: random\ntrials: 8\nparameters: {data.batch_size: {distribution: int_uniform, min: -3, max: 4}}"
-    rc, _, err = cli(["sweep", str(write(tmp_path, text)), "--dry-run"], capsys)
-    assert rc == 2 and err.startswith("error: sweep.parameters.data.batch_size: must be > 0"), err
-
-
-@pytest.mark.parametrize(("job", "n", "indexes"), [
-    ("123_4", 8, [4]), ("123_[0-3%2]", 8, [0, 1, 2, 3]), ("123_[5,7-8]", 9, [5, 7, 8]), ("123_[6]", 9, [6]),
-    ("1234_1", 8, []), ("123", 1, [0]), ("123", 2, []), ("123.batch", 2, []),
+@pytest.mark.parametrize(("job", "indexes"), [
+    ("123_4", [4]), ("123_[0-3%2]", [0, 1, 2, 3]), ("123_[5,7-8]", [5, 7, 8]), ("123_[6]", [6]),
+    ("1234_1", []), ("123", []), ("123.batch", []),
 ])
-def test_array_job_ids(job: str, n: int, indexes: list[int]) -> None:
-    assert sweep_status._job_indexes(job, "123", n) == indexes
-
-
-def fake_sweep(tmp_path: Path, mode: str, metrics: dict[int, float]) -> Path:
-    """A sweep folder as `make sweep` leaves it, with result.json written for the trials in ``metrics``."""
-    folder = tmp_path / "sweeps" / "fake-20250101-000000"
-    spec = {"metric": "test_loss", "mode": mode, "parameters": {"optim.lr": [0.1, 0.2, 0.3, 0.4, 0.5]}}
-    trials = [{"index": i, "overrides": {"optim.lr": lr}, "run_dir": str(folder / "trials" / str(i))}
-              for i, lr in enumerate([0.1, 0.2, 0.3, 0.4, 0.5])]
-    for i in range(5):
-        (folder / "trials" / str(i)).mkdir(parents=True)
-    for i, value in metrics.items():
-        (folder / "trials" / str(i) / "result.json").write_text(json.dumps({"test_loss": value, "test_accuracy": 0.5}))
-    (folder / "trials" / "3" / "requeue.json").write_text("{}")
-    write_json(folder / "sweep.json", {"sweep_id": folder.name, "spec": spec, "array_job_id": "999",
-                                             "trials": trials})
-    return folder
-
-
-@pytest.mark.parametrize(("mode", "order"), [("min", [2, 0, 1, 3, 4]), ("max", [1, 0, 2, 3, 4])])
-def test_status_ranks_by_the_metric_and_reads_states(mode: str, order: list[int], tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = fake_sweep(tmp_path, mode, {0: 0.5, 1: 0.9, 2: 0.25})
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {0: "completed", 1: "running", 3: "pending"})
-    rows = status(folder)
-    assert [r.index for r in rows] == order
-    by = {r.index: r for r in rows}
-    assert [by[i].state for i in range(5)] == ["done", "done", "done", "requeued", "unknown"]
-    assert by[2].value == 0.25 and by[3].value is None
-    text = sweep_status.format_status(folder, rows).splitlines()
-    assert text[1].split() == ["trial", "optim.lr", "state", "test_loss"]
-    assert [line.split()[0] for line in text[2:7]] == [str(i) for i in order]
-    assert text[2 + order.index(4)].split() == ["4", "0.5", "unknown", "-"]
-    best = order[0]
-    assert text[-1].startswith(f"best: trial {best} ") and text[-1].endswith(str(folder / "trials" / str(best)))
-    # columns line up: every row's state starts where the header's does
-    col = text[1].index("state")
-    assert all(line[col - 2:col] == "  " and line[col] != " " for line in text[2:7])
-
-
-def test_requeue_marker_of_a_trial_slurm_ended_for_good_shows_slurms_state(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = fake_sweep(tmp_path, "min", {})
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {3: "failed"})
-    assert {r.index: r.state for r in status(folder)}[3] == "failed"
-    assert sweep_status.format_status(folder, status(folder)).splitlines()[-1].startswith("best: none yet")
-
-
-def test_status_without_slurm_says_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = fake_sweep(tmp_path, "min", {1: 0.3})
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither sacct nor squeue
-    assert {r.index: r.state for r in status(folder)} == {0: "unknown", 1: "done", 2: "unknown", 3: "requeued",
-                                                         4: "unknown"}
-
-
-def test_wait_reports_failed_trials_and_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    folder = fake_sweep(tmp_path, "min", {0: 0.5, 1: 0.9, 2: 0.25})
-    polls = iter([{0: "completed", 1: "running", 3: "pending", 4: "pending"},  # 0 ended, 2 (no Slurm record) is done
-                  {0: "completed", 1: "completed", 2: "completed", 3: "failed", 4: "cancelled"}])
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: next(polls))
-    assert sweep_status.finish(folder, poll_s=0) == 1
-    out, err = capsys.readouterr()
-    assert "2/5 trials ended" in out and "5/5 trials ended" in out and "best: trial 2 " in out
-    assert err.splitlines() == [f"trial {i} ended {state} without a result; log: {folder}/logs/999_{i}/999_{i}_0_log.err"
-                                for i, state in ((3, "failed"), (4, "cancelled"))]
-
-
-def test_wait_ends_when_slurm_forgets_the_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    # No accounting: squeue lists a task while it runs, then forgets it. Trial 4 was never listed at all.
-    folder = fake_sweep(tmp_path, "min", {0: 0.5})
-    polls = iter([{1: "running", 2: "pending", 3: "pending"}, {2: "running", 3: "pending"}, {}])
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: next(polls, {}))
-    clock = iter([0.0, 1.0, 2.0, 3.0, sweep_status.FORGOTTEN_S + 10])
-    monkeypatch.setattr(sweep_status.time, "monotonic", lambda: next(clock))
-    rows = sweep_status.wait_for(folder, poll_s=0)
-    assert {r.index: r.state for r in rows} == {0: "done", 1: "unknown", 2: "unknown", 3: "requeued", 4: "unknown"}
-    out = capsys.readouterr().out
-    assert out.splitlines() == ["1/5 trials ended", "2/5 trials ended", "4/5 trials ended", "5/5 trials ended"]
+def test_array_job_ids(job: str, indexes: list[int]) -> None:
+    assert sweep_status.job_indexes(job, "123") == indexes
 
 
 def test_sweep_folders_of_one_name_started_together_differ(tmp_path: Path) -> None:
@@ -300,11 +245,10 @@ def test_dry_runs_work_where_slurm_is_not_installed(tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))  # no srun, no sbatch: a laptop
     rc, out, err = cli(["sweep", str(write(tmp_path, GRID)), "--dry-run"], capsys)
-    assert rc == 0 and "#SBATCH --array=0-3%4\n" in out, err
-    rc, out, err = cli(["submit", "--cluster", "dev", "--dry-run"], capsys)
-    assert rc == 0 and out.startswith("#!/bin/bash") and "srun" in out, err
+    assert rc == 0 and "#SBATCH --array=0-3\n" in out, err
     rc, _, err = cli(["sweep", str(write(tmp_path, GRID)), "--wait"], capsys)
     assert rc == 2 and err.startswith("error: LAUNCHER: sbatch is not on PATH")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]
 
 
 def test_an_unwritable_sweeps_folder_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -318,79 +262,48 @@ def test_an_unwritable_sweeps_folder_is_a_user_error(tmp_path: Path, monkeypatch
     assert rc == 2 and err.startswith("error: SWEEP_DIR: cannot create ") and "\nHINT: " in err, err
 
 
-def test_sweep_status_defaults_to_the_newest_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    folder = fake_sweep(tmp_path, "min", {1: 0.3})
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {})
-    monkeypatch.chdir(tmp_path)
-    rc, out, _ = cli(["sweep-status"], capsys)
-    assert rc == 0 and out.startswith(f"sweep {folder.name}: array 999") and "best: trial 1 " in out
-
-
-def test_dry_run_prints_the_trials_and_submitits_array_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_prints_the_trials_and_the_workers_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     hostile = "a'; touch pwned; echo 'x"
-    spec = write(tmp_path, f"name: grid\nmax_parallel: 2\nargs: [\"tracking.project={hostile}\"]\n{GRID}")
+    spec = write(tmp_path, f"name: grid\nmax_parallel: 3\nargs: [\"tracking.project={hostile}\"]\n{GRID}")
     rc, out, _ = cli(["sweep", str(spec), "--dry-run", "--set", "nodes=1"], capsys)
     assert rc == 0
-    assert "#SBATCH --array=0-3%2\n" in out and "#SBATCH --job-name=grid\n" in out and "#SBATCH --nodes=1\n" in out
-    assert re.search(r"#SBATCH --output=.*/sweeps/grid-\d{8}-\d{6}/logs/%A_%a/%A_%a_0_log\.out\n", out)
-    table = out.split("\n\n")[0].splitlines()[1:]
+    assert "#SBATCH --array=0-2\n" in out and "#SBATCH --job-name=grid\n" in out and "#SBATCH --nodes=1\n" in out
+    assert re.search(r"#SBATCH --output=.*/sweeps/grid-\d{8}-\d{6}/logs/worker-%A_%a\.out\n", out)
+    table = out.split("\n# a trial")[0].splitlines()[1:]
     assert [line.split() for line in table] == [["trial", "optim.lr", "data.batch_size"], ["0", "0.05", "32"],
                                                 ["1", "0.05", "64"], ["2", "0.1", "32"], ["3", "0.1", "64"]]
-    runs = [line for line in out.splitlines() if line.startswith("# trial ")]
-    assert len(runs) == 4
-    argv = shlex.split(runs[2].split(" runs: ", 1)[1])  # the quoting holds: the value comes back whole
-    assert argv[:3] == ["python", "-m", "trainer"] and not any(a.startswith(("checkpoint.signal=", "run.dir=")) for a in argv)
-    assert f"tracking.project={hostile}" in argv and "optim.lr=0.1" in argv and "data.batch_size=32" in argv
+    (run,) = [line for line in out.splitlines() if line.startswith("# a trial runs: ")]
+    argv = shlex.split(run.split(" runs: ", 1)[1])  # the quoting holds: the value comes back whole
+    assert argv[:3] == ["python", "-m", "trainer"] and f"tracking.project={hostile}" in argv
+    script = out[out.index("#!/bin/bash"):]
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]  # nothing written, nothing submitted
 
 
-def test_dry_run_throttle_and_single_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_adaptive_dry_run_shows_the_search_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    _, out, _ = cli(["sweep", str(write(tmp_path, "max_parallel: 8\n" + GRID)), "--dry-run"], capsys)
-    assert "#SBATCH --array=0-3%4\n" in out  # submitit caps the throttle at the array size
-    _, out, _ = cli(["sweep", str(write(tmp_path, "parameters: {optim.lr: [0.1]}")), "--dry-run"], capsys)
-    assert "--array" not in out and "#SBATCH --output=" in out  # submitit submits one trial as a plain job
-
-
-def test_container_trials_point_the_requeue_rule_at_their_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)
-    spec = write(tmp_path, "profile: {container: {runtime: apptainer, image: t.sif}}\n" + GRID)
-    rc, out, _ = cli(["sweep", str(spec), "--dry-run"], capsys)
-    assert rc == 0
-    lines = out.splitlines()
-    mine = next(i for i, line in enumerate(lines) if line.startswith("export RUN_DIR=") and "SLURM_ARRAY_TASK_ID" in line)
-    assert re.fullmatch(r'export RUN_DIR=\S+/sweeps/spec-\d{8}-\d{6}/trials/"\$\{SLURM_ARRAY_TASK_ID:-0\}"', lines[mine])
-    assert lines[mine + 1].startswith("export RUN_DIR=${RUN_DIR:-")  # the profile's default does not replace it
-
-
-def test_the_example_spec_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)
-    rc, out, err = cli(["sweep", str(ROOT / "cluster" / "sweeps" / "example.yaml"), "--dry-run"], capsys)
+    rc, out, err = cli(["sweep", str(write(tmp_path, TPE)), "--dry-run"], capsys)
     assert rc == 0, err
-    assert "#SBATCH --array=0-5%2\n" in out and "#SBATCH --nodes=1\n" in out
+    assert "# 4 trials, sampled as results come in from:" in out and "'log': True" in out
 
 
-def test_the_command_example_spec_is_valid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("name", ["example.yaml", "char_lm.yaml", "tpe.yaml"])
+def test_the_example_specs_are_valid(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    rc, out, err = cli(["sweep", str(ROOT / "cluster" / "sweeps" / "char_lm.yaml"), "--dry-run"], capsys)
+    rc, out, err = cli(["sweep", str(ROOT / "cluster" / "sweeps" / name), "--dry-run"], capsys)
     assert rc == 0, err
-    assert "#SBATCH --array=0-3%2\n" in out
-    assert ("# trial 3 runs: python -m trainer.launch --signal USR2 -- python examples/char_lm/train.py --max-steps 100 "
-            "--eval-every 50 --layers 2 tracking.mode=auto --lr 0.003") in out
+    assert "#SBATCH --array=0-1\n" in out and "#SBATCH --nodes=1\n" in out
 
 
 def test_command_trials_fill_placeholders_and_append_the_rest() -> None:
     spec = SweepSpec(name="c", command="python t.py --name 'run {tag}' {n}", parameters={"tag": ["a b"], "n": [3],
                                                                                           "lr": [0.1]})
-    (trial,) = plan(spec)
-    assert trial.args == ["python", "t.py", "--name", "run a b", "3", "--lr", "0.1"] and trial.command
+    assert trial_args(spec, {"tag": "a b", "n": 3, "lr": 0.1}, "s", 0) == [
+        "python", "t.py", "--name", "run a b", "3", "--lr", "0.1"]
 
 
 @pytest.mark.parametrize(("extra", "field"), [
@@ -407,101 +320,268 @@ def test_bad_command_specs_name_the_field(tmp_path: Path, capsys: pytest.Capture
     assert rc == 2 and err.startswith(f"error: {field}") and "HINT:" in err, err
 
 
-def max_overlap(spans: list[tuple[str, str]]) -> int:
-    """Most tasks running at once; a task starting in the second another ended does not overlap it."""
-    events = sorted([(end, -1) for _, end in spans] + [(start, 1) for start, _ in spans])  # ends before starts
-    running = most = 0
-    for _, step in events:
-        running += step
-        most = max(most, running)
-    return most
+# ---- the workers' protocol against a real journal study (no Slurm: fake array ids, a fake squeue) ----------------
+
+def local_sweep(tmp_path: Path, text: str) -> Path:
+    """A sweep folder and its study as `python -m cluster sweep` prepares them before submitting array 900."""
+    spec_path = write(tmp_path, text)
+    folder = tmp_path / "sweeps" / "s-1"
+    folder.mkdir(parents=True)
+    sweep.prepare(str(spec_path), sweep_spec.load_spec(spec_path), "dev", folder,
+                  {"sweep_id": "s-1", "study": "s-1", "target": 0, "arrays": ["900"]})
+    return folder
 
 
-def test_grid_sweep_runs_as_one_throttled_array_on_the_dev_cluster(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    args = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline"]
-    spec = {"name": "grid", "cluster": "dev", "profile": {"nodes": 1}, "max_parallel": 2, "args": args,
-            "parameters": {"optim.lr": [0.05, 0.1], "data.batch_size": [32, 64]}}
-    path = write(tmp_path, json.dumps(spec), "grid.yaml")  # JSON is YAML
-    proc = sh([sys.executable, "-m", "cluster", "sweep", str(path), "--wait"], slurm_env, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (folder,) = (tmp_path / "sweeps").iterdir()
-    record = json.loads((folder / "sweep.json").read_text())
-    array = record["array_job_id"]
-    assert f"Slurm array {array}" in proc.stdout and "4/4 trials ended" in proc.stdout
-
-    expected = [(0.05, 32), (0.05, 64), (0.1, 32), (0.1, 64)]
-    results = {}
-    for i, (lr, batch) in enumerate(expected):
-        run = folder / "trials" / str(i)
-        results[i] = json.loads((run / "result.json").read_text())["test_accuracy"]
-        cfg = OmegaConf.load(run / "config.yaml")
-        assert (cfg.optim.lr, cfg.data.batch_size) == (lr, batch)
-        # The trial's folder came as RUN_DIR (its config.yaml is here), not as a key the sweep injected.
-        assert (cfg.run.dir, cfg.tracking.group, cfg.run.name) == (None, folder.name, f"{folder.name}-{i}")
-        (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
-        (run_record,) = [r.run for r in records(wandb_file) if r.WhichOneof("record_type") == "run"]
-        assert (run_record.run_group, run_record.display_name) == (folder.name, f"{folder.name}-{i}")
-
-    def tasks() -> list[list[str]]:
-        out = sh(["sacct", "-j", array, "-n", "-P", "-X", "--format=JobID,State,Start,End"], slurm_env).stdout
-        return [line.split("|") for line in out.splitlines()]
-
-    wait_for(lambda: sorted((t[0], t[1]) for t in tasks()) == [(f"{array}_{i}", "COMPLETED") for i in range(4)],
-             timeout=60, what=f"sacct to show 4 COMPLETED tasks of {array}: {tasks()}")
-    assert max_overlap([(t[2], t[3]) for t in tasks()]) <= 2  # the %2 throttle held
-    assert "#SBATCH --array=0-3%2\n" in (folder / "logs" / array / f"{array}_submission.sh").read_text()
-
-    status_out = sh([sys.executable, "-m", "cluster", "sweep-status"], slurm_env, cwd=tmp_path).stdout
-    lines = status_out.splitlines()
-    assert lines[1].split() == ["trial", "optim.lr", "data.batch_size", "state", "test_accuracy"]
-    rows = [line.split() for line in lines[2:6]]
-    assert {r[3] for r in rows} == {"done"}
-    ranked = sorted(range(4), key=lambda i: (-results[i], i))
-    assert [int(r[0]) for r in rows] == ranked
-    assert [float(r[4]) for r in rows] == [round(results[i], 4) for i in ranked]
-    assert [(float(r[1]), int(r[2])) for r in rows] == [expected[i] for i in ranked]
-    assert lines[-2].endswith(str(folder / "trials" / str(ranked[0])))  # best: …
-    assert lines[-1] == f"report: {folder / 'sweep.html'}" and (folder / "sweep.png").stat().st_size > 5000
-    page = (folder / "sweep.html").read_text()
-    assert all(f'href="trials/{i}/report.html"' in page for i in range(4))  # every trial's own run report
+@pytest.fixture
+def squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake squeue on PATH printing the job ids written to the returned file (the workers Slurm lists)."""
+    listed = tmp_path / "squeue.out"
+    listed.write_text("900_0\n900_1\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {shlex.quote(str(listed))}\n")
+    (tmp_path / "bin" / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    return listed
 
 
-def test_a_preempted_trial_requeues_and_resumes_on_its_own(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    args = [a for a in SMALL if not a.startswith("train.epochs")] + ["train.epochs=2"]
-    path = write(tmp_path, f"""
-name: rq
-profile: {{nodes: 1}}
-max_parallel: 2
-args: {json.dumps(args)}
-parameters:
-  optim.lr: [0.05, 0.1]
-""")
-    proc = sh([sys.executable, "-m", "cluster", "sweep", str(path)], {**slurm_env, **faults(step_delay_s=0.3)},
-              cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    folder = next((tmp_path / "sweeps").iterdir())
-    array = json.loads((folder / "sweep.json").read_text())["array_job_id"]
-    wait_for(lambda: (folder / "trials" / "0" / "config.yaml").exists(), what="trial 0 to start")
-    time.sleep(6)  # a few steps in
-    assert sh(["scancel", "--signal=USR2", f"{array}_0"], slurm_env).returncode == 0
-    wait_for(lambda: all((folder / "trials" / str(i) / "result.json").exists() for i in (0, 1)), timeout=240,
-             what="both trials to finish")
-    first, second = (json.loads((folder / "trials" / str(i) / "result.json").read_text()) for i in (0, 1))
-    assert first["resumed_from"] and "trials/0/checkpoints/step_" in first["resumed_from"]
-    assert second["resumed_from"] is None and first["global_step"] == second["global_step"]
+def be(monkeypatch: pytest.MonkeyPatch, w: int, attempt: int = 0) -> None:
+    """Act as array task 900_<w> (its own job id 1000 + w)."""
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "900")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(w))
+    monkeypatch.setenv("SLURM_JOB_ID", str(1000 + w))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(attempt))
 
 
-def test_sweep_status_writes_a_page_with_the_metric_by_parameter_and_links_to_trial_reports(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def assignment(folder: Path, w: int) -> tuple[int, Path, list[str]]:
+    """The trial worker ``w`` runs, its RUN_DIR and arguments, as the batch script reads them from workers/<w>.sh."""
+    mine = json.loads((folder / "workers" / f"{w}.json").read_text())
+    out = subprocess.run(["bash", "-c", f'source {shlex.quote(str(folder / "workers" / f"{w}.sh"))}; '
+                          'printf "%s\\n" "$RUN_DIR" "$TRAINER_TRIAL" "$@"'], capture_output=True, text=True).stdout
+    run_dir, name, *args = out.splitlines()
+    assert name == f"s-1-{mine['trial']}" and Path(run_dir) == folder / "trials" / str(mine["trial"])
+    return mine["trial"], Path(run_dir), args
+
+
+def finished(run_dir: Path, **result: object) -> None:
+    write_json(run_dir / "result.json", {"outcome": "finished", "exit_code": 0, **result})
+
+
+def test_workers_take_the_planned_trials_once_each_and_end_with_the_study(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    folder = local_sweep(tmp_path, "method: random\ntrials: 5\nseed: 3\nargs: [train.epochs=1]\n"
+                                   "parameters: {optim.lr: {type: float, low: 0.001, high: 0.1, log: true}}")
+    planned = studies.plan(sweep_spec.load_spec(tmp_path / "spec.yaml"), [], 5)
+    ran = []
+    for turn in range(5):  # two workers, taking turns
+        w = turn % 2
+        be(monkeypatch, w)
+        assert worker.next_trial(folder, w) == 0
+        number, run_dir, args = assignment(folder, w)
+        finished(run_dir, test_accuracy=0.1 * turn)
+        assert worker.end(folder, w, 0) == 0
+        ran.append(float(next(a for a in args if a.startswith("optim.lr=")).split("=")[1]))
+    assert [worker.next_trial(folder, w) for w in (0, 1)] == [worker.EXIT_DONE] * 2
+    assert ran == [p["optim.lr"] for p in planned]  # the seeded plan, each trial once, whichever worker asked
+    study = studies.open_study(worker.record_of(folder), folder)
+    assert [(t.state.name, t.value) for t in study.trials] == [("COMPLETE", pytest.approx(0.1 * i)) for i in range(5)]
+    assert {t.user_attrs["worker"] for t in study.trials} == {0, 1}
+
+
+def test_a_requeued_worker_re_attaches_and_the_study_holds_each_step_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    import optuna
+
+    folder = local_sweep(tmp_path, TPE + "\npruner: median\npruner_args: {n_startup_trials: 1}\nmetric: test_accuracy\n"
+                                         "args: [train.eval_every=10]")
+    study = studies.open_study(worker.record_of(folder), folder)
+    study.add_trial(optuna.trial.create_trial(  # a good earlier trial: the median to beat
+        params={"optim.lr": 0.01}, distributions=studies.space(sweep_spec.load_spec(tmp_path / "spec.yaml")),
+        value=0.9, intermediate_values={10: 0.8, 20: 0.9}))
+    be(monkeypatch, 0)
+    assert worker.next_trial(folder, 0) == 0
+    number, run_dir, _ = assignment(folder, 0)
+    with open(run_dir / "reports.jsonl", "a") as f:
+        f.write('{"step": 10, "values": {"test_accuracy": 0.85, "test_loss": 1.0}}\n{"step": 20, "val')  # half a line
+    worker.relay(folder, 0, once=True)
+    assert json.loads((run_dir / "pruning.json").read_text()) == {"step": 10, "prune": False}  # 0.85 beats 0.8
+    # Preempted: the verdict requeued the job, so the trial stays RUNNING for the next attempt.
+    (run_dir / "events.jsonl").write_text(json.dumps({"t": 1, "event": "attempt_end", "job_id": "1000", "attempt": "0",
+                                                      "decision": "requeue"})
+                                          + "\n")
+    assert worker.end(folder, 0, 75) == worker.EXIT_REQUEUED
+    be(monkeypatch, 0, attempt=1)
+    assert worker.next_trial(folder, 0) == 0 and assignment(folder, 0)[0] == number  # the same trial again
+    with open(run_dir / "reports.jsonl", "a") as f:  # the resumed run replays step 10, then goes on
+        f.write('ue": 0.5}\n{"step": 10, "values": {"test_accuracy": 0.86}}\n{"step": 20, "value": 0.3}\n')
+    worker.relay(folder, 0, once=True)
+    trial = studies.open_study(worker.record_of(folder), folder).trials[number]
+    assert trial.state.name == "RUNNING" and trial.intermediate_values == {10: 0.85, 20: 0.5}
+    assert json.loads((run_dir / "pruning.json").read_text()) == {"step": 20, "prune": True}  # 0.5 trails 0.9
+    write_json(run_dir / "result.json", {"outcome": "pruned", "global_step": 20, "exit_code": 0})
+    assert worker.end(folder, 0, 0) == 0
+    trial = studies.open_study(worker.record_of(folder), folder).trials[number]
+    assert trial.state.name == "PRUNED" and trial.intermediate_values == {10: 0.85, 20: 0.5}
+
+
+def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 3"))
+    for w in (0, 1):
+        be(monkeypatch, w)
+        assert worker.next_trial(folder, w) == 0
+    lost, _, lost_args = assignment(folder, 1)
+    be(monkeypatch, 0)
+    finished(assignment(folder, 0)[1], test_accuracy=0.5)
+    assert worker.end(folder, 0, 0) == 0
+    squeue.write_text("garbage\n")  # squeue answers: exit 1, another error
+    (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: timeout' >&2; exit 1\n")
+    assert worker.next_trial(folder, 0) == 0  # squeue could not answer: nothing concluded
+    assert studies.open_study(worker.record_of(folder), folder).trials[lost].state.name == "RUNNING"
+    finished(assignment(folder, 0)[1], test_accuracy=0.6)
+    assert worker.end(folder, 0, 0) == 0
+    (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {shlex.quote(str(squeue))}\n")
+    squeue.write_text("900_0\n")  # worker 1 was cancelled: Slurm lists only this one
+    assert worker.next_trial(folder, 0) == 0
+    study = studies.open_study(worker.record_of(folder), folder)
+    assert study.trials[lost].state.name == "FAIL" and "900_1" in study.trials[lost].user_attrs["lost"]
+    retry, _, retry_args = assignment(folder, 0)
+    assert study.trials[retry].user_attrs["retry_of"] == lost and retry_args[-3:-2] == lost_args[-3:-2]
+    assert "its values run again as a new trial" in capsys.readouterr().err
+    finished(assignment(folder, 0)[1], test_accuracy=0.7)
+    assert worker.end(folder, 0, 0) == 0 and worker.next_trial(folder, 0) == worker.EXIT_DONE
+
+
+def test_a_worker_whose_trials_keep_failing_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  squeue: Path) -> None:
+    folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))
+    be(monkeypatch, 0)
+    for _ in range(worker.FAILURES_IN_A_ROW):
+        assert worker.next_trial(folder, 0) == 0
+        run_dir = assignment(folder, 0)[1]
+        write_json(run_dir / "result.json", {"outcome": "failed", "cause": "ValueError: bad", "exit_code": 1})
+        assert worker.end(folder, 0, 1) == 0
+    assert worker.next_trial(folder, 0) == worker.EXIT_STOP
+    study = studies.open_study(worker.record_of(folder), folder)
+    assert [(t.state.name, t.user_attrs["cause"]) for t in study.trials] == [("FAIL", "ValueError: bad")] * 3
+
+
+@pytest.mark.parametrize(("result", "rc", "state"), [
+    ({"outcome": "finished", "test_loss": 1.5}, 0, ("COMPLETE", 1.5)),
+    ({"outcome": "pruned", "global_step": 4}, 0, ("PRUNED", None)),
+    ({"outcome": "finished", "test_accuracy": 0.5}, 0, ("FAIL", None)),  # the metric is missing
+    ({"outcome": "finished", "test_loss": float("nan")}, 0, ("FAIL", None)),
+    ({"outcome": "failed", "reason": "user error: not retried"}, 1, ("FAIL", None)),
+    (None, 137, ("FAIL", None)),
+])
+def test_how_a_trial_ended(result: dict[str, object] | None, rc: int, state: tuple[str, float | None],
+                           tmp_path: Path) -> None:
+    if result is not None:
+        (tmp_path / "result.json").write_text(json.dumps(result))
+    got = worker._outcome(tmp_path, rc, "test_loss")
+    assert got[:2] == state and (got[2] or state[0] == "COMPLETE")
+
+
+def test_status_and_page_from_the_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     import matplotlib.image
 
-    folder = fake_sweep(tmp_path, "min", {0: 0.5, 1: 0.9, 2: 0.25})
-    (folder / "trials" / "1" / "report.html").write_text("<html></html>")
-    monkeypatch.setattr(sweep_status, "slurm_states", lambda job, n: {})
-    assert cluster_main(["sweep-status", str(folder)]) == 0
-    assert f"report: {folder / 'sweep.html'}" in capsys.readouterr().out
+    folder = local_sweep(tmp_path, "method: random\ntrials: 4\nmetric: test_loss\nmode: min\n"
+                                   "parameters: {optim.lr: {type: float, low: 0.001, high: 0.1, log: true}}")
+    outcomes = [("finished", 0.5), ("finished", 0.25), ("pruned", None)]
+    for i, (outcome, loss) in enumerate(outcomes):
+        be(monkeypatch, 0)
+        worker.next_trial(folder, 0)
+        run_dir = assignment(folder, 0)[1]
+        for step in (10, 20):
+            (run_dir / "reports.jsonl").open("a").write(json.dumps({"step": step, "value": 1.0 / (step + i)}) + "\n")
+        write_json(run_dir / "result.json", {"outcome": outcome, "test_loss": loss, "global_step": 20})
+        (run_dir / "report.html").write_text("<html></html>")
+        worker.end(folder, 0, 0)
+    be(monkeypatch, 1)
+    worker.next_trial(folder, 1)  # still running
+    monkeypatch.setattr(sweep_status, "slurm_states", lambda arrays: {("900", 0): "completed", ("900", 1): "pending"})
+    rc, out, _ = cli(["sweep-status", str(folder)], capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("sweep s-1: random, pruner none, 4 of 4 trials, workers: array 900")
+    assert lines[1].split() == ["trial", "optim.lr", "state", "steps", "test_loss", "worker"]
+    rows = [line.split() for line in lines[2:6]]
+    assert [(r[0], r[2], r[3], r[4], r[5]) for r in rows] == [
+        ("1", "complete", "2", "0.2500", "900_0"), ("0", "complete", "2", "0.5000", "900_0"),
+        ("2", "pruned", "2", f"{1 / 22:.4f}", "900_0"), ("3", "requeued", "0", "-", "900_1")]
+    assert lines[6] == f"best: trial 1 (test_loss 0.25, min): {folder / 'trials' / '1'}"
+    assert lines[7] == f"report: {folder / 'sweep.html'}"
     page = (folder / "sweep.html").read_text()
-    assert page.count('href="trials/1/report.html"') == 1 and page.count(">report<") == 1
-    assert "data:image/png;base64," in page and "http" not in page
-    pixels = matplotlib.image.imread(folder / "sweep.png")
-    assert pixels.shape[1] > 200 and pixels.std() > 0.01
+    for title in ("optimisation history", "intermediate values (pruned trials end early)", "parameter importances"):
+        assert f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64," in page
+    assert page.count(">report<") == 3 and "<tr class='pruned'>" in page and "http" not in page
+    import base64
+    import io
+
+    first = page.split("base64,")[1].split("'")[0]
+    pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(first)), format="png")
+    assert pixels.shape[1] > 300 and pixels.std() > 0.01
+
+
+def test_the_session_reports_and_every_rank_agrees_to_prune(tmp_path: Path) -> None:
+    """The char LM on 2 processes, as a sweep's trial: rank 0 writes its evaluation to reports.jsonl; an answer
+    'prune' for that step (the relay's file) stops both ranks at the same step, and the result says pruned."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pruning.json").write_text(json.dumps({"step": 12, "prune": True}))  # the pruner's answer for step 12
+    from .conftest import ok, result_of, run_trainer
+    from .test_session import CHAR_LM, LM
+
+    proc = ok(run_trainer([*LM, f"run.dir={run}"], tmp_path, nproc=2, script=CHAR_LM,
+                          env={"TRAINER_PRUNING": "1", "TRAINER_TRIAL": "s-1-7"}))
+    result = result_of(run)
+    assert result["outcome"] == "pruned" and result["global_step"] == 12, proc.stdout
+    rows = [json.loads(line) for line in (run / "reports.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [12] and math.isfinite(rows[0]["value"])  # rank 0 alone writes
+    assert result["test_loss"] == rows[0]["value"]
+    # Outside a sweep (no TRAINER_PRUNING) the same answer file is ignored: the run trains to its end.
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "pruning.json").write_text(json.dumps({"step": 12, "prune": True}))
+    ok(run_trainer([*LM, f"run.dir={again}"], tmp_path, script=CHAR_LM))
+    assert result_of(again)["outcome"] == "finished" and result_of(again)["global_step"] == 24
+
+
+@pytest.fixture
+def chromium() -> str:
+    found = next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed under CI (.ci/run installs it)")
+        pytest.skip("no chromium: apt-get install chromium")
+    return found
+
+
+def test_the_dashboard_serves_the_sweeps_study_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 squeue: Path, chromium: str) -> None:
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, 0)
+    worker.next_trial(folder, 0)
+    finished(assignment(folder, 0)[1], test_accuracy=0.625)
+    worker.end(folder, 0, 0)
+    port = str(free_port())
+    server = subprocess.Popen([sys.executable, "-m", "cluster", "sweep-dashboard", str(folder), "--port", port],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        assert f"http://127.0.0.1:{port}/dashboard/" in first, first
+        url = f"http://127.0.0.1:{port}/dashboard/studies/1"
+        for _ in range(60):  # the server is up once its API answers
+            api = subprocess.run(["curl", "-sf", f"http://127.0.0.1:{port}/api/studies"], capture_output=True, text=True)
+            if api.returncode == 0:
+                break
+            time.sleep(0.5)
+        assert '"study_name": "s-1"' in api.stdout.replace('":"', '": "'), api.stdout
+        dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
+                              "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        assert "s-1" in dom and "0.625" in dom, dom[-2000:]  # the study's name and its best value, rendered by the app
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

@@ -130,6 +130,9 @@ def main() -> int:
             if step % args.eval_every == 0 or step == args.max_steps:
                 val_loss = evaluate(sess, model, val, amp)
                 sess.log({"eval/loss": val_loss}, step)
+                sess.report(step, val_loss)  # a sweep's pruner judges it (nothing happens outside a sweep)
+                if sess.should_prune():
+                    break
             if sess.should_save(step):
                 sess.save(step)
                 if sess.preempted:

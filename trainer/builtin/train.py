@@ -199,6 +199,10 @@ class Trainer:
                 scores, scored_at = self.evaluate(), step
                 eval_time += time.perf_counter() - t_eval
                 self.log_scores(scores, step)
+                sess.report(step, {f"test_{k}": v for k, v in scores.items()})  # a sweep's pruner judges these
+                if sess.should_prune():
+                    sess.print(f"pruned by the sweep at step {step}: the trial ends here")
+                    break
             # Iterable sets end their epochs rank by rank: only map-style epoch ends are common to all ranks.
             if sess.should_save(step, force_poll=epoch_done and not self.loader.iterable):
                 sess.save(step)

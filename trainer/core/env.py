@@ -81,6 +81,11 @@ class JobInfo:
     mtbf_hours: float = 24.0
     """TRAINER_MTBF_HOURS: hours between failures of one node (the profile's mtbf_hours, exported by the batch
     script), the auto checkpoint cadence's prior; checkpoint.mtbf_hours overrides it."""
+    trial: str | None = None
+    """TRAINER_TRIAL: ``<sweep id>-<trial number>`` when this run is a sweep's trial (its W&B name; the sweep id its
+    group), set by the sweep's worker."""
+    pruning: bool = False
+    """TRAINER_PRUNING=1: the sweep has a pruner, whose answer to each reported value ``should_prune`` waits for."""
     checksum: bool = False
     """TRAINER_CHECKSUM=1: at the end, every rank's parameter hash in result.json (a full model copy to the CPU; the
     tests' proof that the ranks agree)."""
@@ -108,6 +113,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         run_dir=env.get("RUN_DIR") or None,
         warning_signal=env.get("TRAINER_SIGNAL") or None,
         checksum=env.get("TRAINER_CHECKSUM") == "1",
+        trial=env.get("TRAINER_TRIAL") or None,
+        pruning=env.get("TRAINER_PRUNING") == "1",
         signal_grace_s=_positive(env.get("TRAINER_SIGNAL_GRACE_S"), 0.0),
         mtbf_hours=_positive(env.get("TRAINER_MTBF_HOURS"), 24.0),
     )

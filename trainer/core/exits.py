@@ -124,6 +124,19 @@ def classify(exc: BaseException) -> dict[str, Any]:
     return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
 
 
+def raised(exc: BaseException, rank: int, step: int, emit: Any) -> None:
+    """A session's loop raised ``exc``: an ``exit`` event (``emit``: the event log's) and, for an error or a
+    ``sys.exit(n)``, this rank's exit record now (closing W&B may outlast srun's grace before its SIGKILL)."""
+    code = exc.code if isinstance(exc, SystemExit) else 1
+    info = classify(exc) if isinstance(exc, Exception) else {}
+    emit("exit", durable=True, code=code, step=step, error=type(exc).__name__,
+         **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
+    if info:
+        ended(1, info, rank=rank, step=step)
+    elif isinstance(code, int) and code not in (0, 75):  # sys.exit(n) inside the session (75: a requeue)
+        ended(code, outcome(USER_ERROR, f"sys.exit({code})"), rank=rank, step=step)
+
+
 def _first_sentence(text: str) -> str:
     """An error's first line without the C++ source position torch puts first, cut after its first sentence."""
     line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text.splitlines()[0] if text else "")

@@ -60,6 +60,7 @@ from trainer.runtime.preemption import Preemption, save_policy
 from trainer.runtime.rundir import RunDir
 from trainer.runtime.saves import Saves
 from trainer.runtime.tracking import Tracker
+from trainer.runtime.trial import Reports
 from trainer.testing import faults as faults_mod
 
 __all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
@@ -100,6 +101,7 @@ class Session:
         self._heartbeat: Heartbeat | None = None
         self._saves: Saves | None = None
         self._tracker: Tracker | None = None
+        self._reports: Reports | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[DataLoader[Any]] = []
         self.resumed: Resumed | None = None
@@ -214,6 +216,7 @@ class Session:
         self.objects = objects
         self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
         self._heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
+        self._reports = Reports(self.run.path, self.env, self.job.pruning)
         self.resumed = find(self.cfg, self.env, self.run.path)
         run_id = None
         if self.resumed:
@@ -274,6 +277,15 @@ class Session:
         if self._tracker is not None:  # logging before restore prints only
             self._tracker.log(values, step)
         self.events.emit("metrics", step=step, values=values)
+
+    def report(self, step: int, value: float | Mapping[str, float]) -> None:
+        """Record an intermediate value at ``step`` (the sweep's metric, or metrics by name) for a sweep's pruner."""
+        _opened(self._reports).report(step, value)
+
+    def should_prune(self) -> bool:
+        """Collective, after ``report`` on every rank: whether the sweep's pruner stops this trial now (leave the loop
+        and ``finish``: result.json says pruned). False outside a sweep with a pruner."""
+        return _opened(self._reports).should_prune()
 
     def request_stop(self, signum: int = signal.SIGUSR2) -> None:
         """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
@@ -338,7 +350,8 @@ class Session:
                        "requeues")
             self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
-        summary = {"outcome": "finished", "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
+        outcome = "pruned" if _opened(self._reports).pruned else "finished"
+        summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
                    "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.saves.stall_s, 4),
@@ -374,16 +387,8 @@ class Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if kind is not None:  # the loop raised: the report shows how the attempt ended
-            code = exc.code if isinstance(exc, SystemExit) else 1
-            info = exits.classify(exc) if isinstance(exc, Exception) else {}
-            self.events.emit("exit", durable=True, code=code, step=self.step, error=kind.__name__,
-                             **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
-            if info:  # recorded now: closing (W&B) may outlast srun's grace before its SIGKILL
-                exits.ended(1, info, rank=self.env.rank, step=self.step)
-            elif isinstance(code, int) and code not in (0, EXIT_REQUEUE):  # sys.exit(n) inside the session
-                exits.ended(code, exits.outcome(exits.USER_ERROR, f"sys.exit({code})"), rank=self.env.rank,
-                            step=self.step)
+        if exc is not None:  # the loop raised: the report shows how the attempt ended
+            exits.raised(exc, self.env.rank, self.step, self.events.emit)
         self.close(exit_code=0 if kind is None else 1)
 
 

@@ -93,7 +93,8 @@ class Tracker:
         self.run = wandb.init(
             project=t.project, entity=t.entity, id=self.run_id, resume="allow", mode=mode,  # type: ignore[arg-type]
             dir=str(folder),
-            name=self.cfg.run.name or self.run_dir.name, group=t.group or self.info.array_job_id or self.info.job_name,
+            name=self.cfg.run.name or self.info.trial or self.run_dir.name,
+            group=t.group or (self.info.trial or "").rpartition("-")[0] or self.info.array_job_id or self.info.job_name,
             tags=tags, config=config, settings=wandb.Settings(silent=True),
         )
         self._save_state()

@@ -1,0 +1,262 @@
+"""A sweep's worker: one array task running trials one after another until the study has its ``trials``.
+
+The worker's batch script (cluster/sweep_script.py) calls, in the batch shell:
+``next``  re-attach to this worker's RUNNING trial (after a requeue), or ask the study for one; write
+          ``workers/<w>.sh`` (the trial's RUN_DIR and arguments) and ``workers/<w>.json`` (which trial it runs);
+``relay`` while the trial trains: its intermediate values (``reports.jsonl``, written by ``Session.report``) into the
+          study, each step once, and the pruner's answer back (``pruning.json``, read by ``Session.should_prune``);
+``end``   after the verdict: tell the study complete, pruned or failed, or (requeued) leave the trial RUNNING.
+Liveness comes from Slurm: a RUNNING trial whose worker Slurm no longer lists is failed, and its values run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster import study as studies
+from cluster.sweep_spec import SweepSpec, trial_args
+from cluster.sweep_status import squeue_alive
+from trainer.core.events import read as read_events
+from trainer.core.exits import attempt_id
+from trainer.core.files import write_json
+
+EXIT_DONE, EXIT_STOP, EXIT_REQUEUED = 3, 4, 10
+"""``next``: the study has all its trials; ``next``: this worker's last trials all failed; ``end``: requeued."""
+
+FAILURES_IN_A_ROW = 3
+"""A worker whose last trials all failed stops (a broken command fails every trial; one worker's node may be bad)."""
+
+
+def record_of(sweep_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((sweep_dir / "sweep.json").read_text())
+    return data
+
+
+def _mine(sweep_dir: Path, worker: int) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads((sweep_dir / "workers" / f"{worker}.json").read_text())
+        return data
+    except (OSError, ValueError):
+        return {"worker": worker, "trial": None, "history": []}
+
+
+@contextlib.contextmanager
+def _lock(folder: Path, stale_s: float = 120.0) -> Any:
+    """One worker at a time counts and asks (mkdir is atomic on shared file systems too)."""
+    path = folder / ".ask.lock"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > stale_s:  # its holder died: take it over
+                    path.rmdir()
+                    continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} held for 10 min") from None
+            time.sleep(0.2)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial: Any, spec: SweepSpec,
+                      record: dict[str, Any]) -> None:
+    run_dir = sweep_dir / "trials" / str(trial.number)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = trial_args(spec, trial.params, record["sweep_id"], trial.number)
+    name = f"{record['sweep_id']}-{trial.number}"
+    lines = [f"export RUN_DIR={shlex.quote(str(run_dir))} TRAINER_TRIAL={shlex.quote(name)} "
+             f"TRAINER_PRUNING={int(spec.pruner != 'none')}",
+             f"set -- {shlex.join(args)}"]
+    (sweep_dir / "workers" / f"{worker}.sh").write_text("\n".join(lines) + "\n")
+    write_json(sweep_dir / "workers" / f"{worker}.json", {**mine, "trial": trial.number, "trial_id": trial._trial_id,
+                                                          "run_dir": str(run_dir)})
+
+
+def next_trial(sweep_dir: Path, worker: int) -> int:
+    """Re-attach to this worker's RUNNING trial, or ask for the next one; EXIT_DONE when the study has them all."""
+    record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
+    spec = SweepSpec(**record["spec"])
+    with _lock(sweep_dir / "workers"):
+        study = studies.open_study(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
+        if mine.get("trial") is not None:
+            trial = study._storage.get_trial(mine["trial_id"])
+            if trial.state.name == "RUNNING":
+                import optuna
+
+                _write_assignment(sweep_dir, worker, mine, optuna.trial.Trial(study, mine["trial_id"]), spec, record)
+                print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
+                      f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
+                return 0
+        _fail_lost(study)
+        recent = [h["state"] for h in mine["history"][-FAILURES_IN_A_ROW:]]
+        if len(recent) == FAILURES_IN_A_ROW and set(recent) == {"FAIL"}:
+            print(f"worker {worker}: its last {FAILURES_IN_A_ROW} trials failed; it stops (their logs: "
+                  f"{sweep_dir / 'trials'}/<n>)", file=sys.stderr)
+            return EXIT_STOP
+        trials = study.get_trials(deepcopy=False)
+        waiting = any(t.state.name == "WAITING" for t in trials)
+        counted = [t for t in trials if t.state.name != "WAITING" and "lost" not in t.user_attrs]
+        if not waiting and len(counted) >= record["target"]:
+            return EXIT_DONE
+        trial = study.ask(studies.space(spec))
+        for k, v in {"worker": worker, "array": os.environ.get("SLURM_ARRAY_JOB_ID", ""),
+                     "job": os.environ.get("SLURM_JOB_ID", ""), "run_dir": str(sweep_dir / "trials" / str(trial.number))
+                     }.items():
+            trial.set_user_attr(k, v)
+        _write_assignment(sweep_dir, worker, mine, trial, spec, record)
+    print(f"worker {worker}: trial {trial.number} {_values(trial.params)}", file=sys.stderr)
+    return 0
+
+
+def _values(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _fail_lost(study: Any) -> None:
+    """A RUNNING trial whose worker Slurm lists neither pending nor running is failed, and its values enqueued again
+    (it starts over in a trial of its own). Nothing is done when squeue cannot answer."""
+    here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
+    running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
+               and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
+    if not running:
+        return
+    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
+    if alive is None:
+        return
+    for t in running:
+        task = (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1)))
+        if task in alive:
+            continue
+        why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
+        study._storage.set_trial_user_attr(t._trial_id, "lost", why)
+        study._storage.set_trial_state_values(t._trial_id, studies._optuna().trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+        print(f"trial {t.number} failed: {why}; its values run again as a new trial", file=sys.stderr)
+
+
+def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0) -> int:
+    """Copy the trial's new intermediate values into the study (a step already there is skipped: a resumed trial
+    reports its replayed steps again) and write the pruner's answer for the last one to ``pruning.json``."""
+    record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
+    if mine.get("trial") is None:
+        return 0
+    import optuna
+
+    spec = SweepSpec(**record["spec"])
+    study = studies.open_study(record, sweep_dir)
+    trial = optuna.trial.Trial(study, mine["trial_id"])
+    run_dir, offset = Path(mine["run_dir"]), 0
+    reported = set(study._storage.get_trial(mine["trial_id"]).intermediate_values)
+    while True:
+        offset, rows = _new_lines(run_dir / "reports.jsonl", offset)
+        for row in rows:
+            step, value = row.get("step"), row["value"] if "value" in row else row.get("values", {}).get(spec.metric)
+            if not isinstance(step, int) or not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            if step not in reported:
+                trial.report(float(value), step)
+                reported.add(step)
+            prune = spec.pruner != "none" and trial.should_prune()
+            write_json(run_dir / "pruning.json", {"step": step, "prune": bool(prune)})
+        if once:
+            return 0
+        time.sleep(poll_s)
+
+
+def _new_lines(path: Path, offset: int) -> tuple[int, list[dict[str, Any]]]:
+    """Whole JSON lines of ``path`` after ``offset`` (a line still being written waits for the next look)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset, []
+    whole = data[: data.rfind(b"\n") + 1]
+    rows = []
+    for line in whole.splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return offset + len(whole), rows
+
+
+def end(sweep_dir: Path, worker: int, rc: int) -> int:
+    """Tell the study how the trial ended; EXIT_REQUEUED when the verdict requeued the job (the trial stays RUNNING)."""
+    mine = _mine(sweep_dir, worker)
+    if mine.get("trial") is None:
+        return 0
+    run_dir, number = Path(mine["run_dir"]), mine["trial"]
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    verdicts = [e for e in read_events(run_dir) if e.get("event") == "attempt_end" and e.get("job_id") == job
+                and str(e.get("attempt")) == attempt_id()]  # this attempt's verdict, not an earlier one's
+    if verdicts and verdicts[-1].get("decision") in ("requeue", "restart_here"):
+        print(f"worker {worker}: trial {number} requeued with this job; it resumes when the job starts again",
+              file=sys.stderr)
+        return EXIT_REQUEUED
+    relay(sweep_dir, worker, once=True)  # what the trial reported after the relay's last look
+    record = record_of(sweep_dir)
+    spec = SweepSpec(**record["spec"])
+    state, value, why = _outcome(run_dir, rc, spec.metric)
+    study = studies.open_study(record, sweep_dir)
+    TrialState = studies._optuna().trial.TrialState
+    try:
+        if state == "COMPLETE":
+            study.tell(number, value)
+        else:
+            study._storage.set_trial_user_attr(mine["trial_id"], "cause", why)  # before: a finished trial is frozen
+            study.tell(number, state=getattr(TrialState, state))
+    except (RuntimeError, ValueError) as exc:  # finished already (failed as lost while this worker was cut off)
+        print(f"worker {worker}: trial {number} was already ended in the study ({exc})", file=sys.stderr)
+    shown = f"{spec.metric} {value:.6g}" if value is not None else why
+    print(f"worker {worker}: trial {number} {state.lower()}: {shown}", file=sys.stderr)
+    write_json(sweep_dir / "workers" / f"{worker}.json",
+               {**mine, "trial": None, "trial_id": None, "history": [*mine["history"], {"trial": number, "state": state}]})
+    return 0
+
+
+def _outcome(run_dir: Path, rc: int, metric: str) -> tuple[str, float | None, str]:
+    """(COMPLETE|PRUNED|FAIL, the metric, why) from the trial's result.json and the tasks' exit code."""
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return "FAIL", None, f"the tasks exited {rc} without a result.json"
+    if result.get("outcome") == "pruned":
+        return "PRUNED", None, f"pruned at step {result.get('global_step')}"
+    if rc or result.get("outcome") != "finished":
+        return "FAIL", None, str(result.get("reason") or result.get("cause") or f"the tasks exited {rc}")
+    value = result.get(metric)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return "FAIL", None, f"result.json has no finite {metric} (keys: {', '.join(sorted(result))})"
+    return "COMPLETE", float(value), ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.worker", description=__doc__)
+    p.add_argument("action", choices=("next", "relay", "end"))
+    p.add_argument("sweep_dir", type=Path)
+    p.add_argument("--worker", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", "0")))
+    p.add_argument("--rc", type=int, default=0, help="end: the tasks' exit code")
+    ns = p.parse_args(argv)
+    if ns.action == "next":
+        return next_trial(ns.sweep_dir, ns.worker)
+    if ns.action == "relay":
+        return relay(ns.sweep_dir, ns.worker)
+    return end(ns.sweep_dir, ns.worker, ns.rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
