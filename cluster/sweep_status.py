@@ -6,6 +6,7 @@ What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` sub
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -60,6 +61,33 @@ def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
     return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
 
 
+def fail_lost(study: Any, retry: bool) -> None:
+    """A RUNNING trial whose worker Slurm lists neither pending nor running is failed (never left RUNNING); with
+    ``retry`` (a worker asking), its values are enqueued again and start over as a new trial. Nothing is concluded
+    when squeue cannot answer, and a worker never judges its own trial."""
+    import optuna
+
+    here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
+    running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
+               and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
+    if not running:
+        return
+    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
+    if alive is None:
+        return
+    for t in running:
+        task = (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1)))
+        if task in alive:
+            continue
+        why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
+        study._storage.set_trial_user_attr(t._trial_id, "lost", why)
+        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        if retry:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+        print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry else ""),
+              file=sys.stderr)
+
+
 def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
     """Slurm's state (lower case) of each worker: sacct first, squeue for tasks sacct does not know (yet)."""
     states: dict[tuple[str, int], str] = {}
@@ -106,6 +134,7 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
 
     data = read_sweep(sweep_dir)
     study = open_study(data, sweep_dir)
+    fail_lost(study, retry=False)  # no worker may be left to run it again
     slurm = slurm_states([str(a) for a in data.get("arrays", [])])
     rows = []
     for t in study.get_trials(deepcopy=False):
@@ -164,10 +193,11 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
     rows, study = status(sweep_dir)
     print(format_status(sweep_dir, rows))
     page(sweep_dir, rows, study)
-    failed = [r for r in rows if r.state not in ("complete", "pruned")]
+    attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
+    retried = {a["retry_of"] for a in attrs.values() if "retry_of" in a}
+    failed = [r for r in rows if r.state not in ("complete", "pruned") and r.index not in retried]
     for r in sorted(failed, key=lambda r: r.index):
-        cause: dict[str, Any] = next((t.user_attrs for t in study.get_trials(deepcopy=False) if t.number == r.index), {})
-        why = cause.get("cause") or cause.get("lost") or r.state
+        why = attrs[r.index].get("cause") or attrs[r.index].get("lost") or r.state
         print(f"trial {r.index} {r.state}: {why}; its folder: {r.run_dir}; its worker's log: "
               f"{log_path(sweep_dir, r.worker)}", file=sys.stderr)
     return 1 if failed else 0

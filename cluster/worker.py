@@ -24,7 +24,7 @@ from typing import Any
 
 from cluster import study as studies
 from cluster.sweep_spec import SweepSpec, trial_args
-from cluster.sweep_status import squeue_alive
+from cluster.sweep_status import fail_lost
 from trainer.core.events import read as read_events
 from trainer.core.exits import attempt_id
 from trainer.core.files import write_json
@@ -102,7 +102,7 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
                 print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
                       f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
                 return 0
-        _fail_lost(study)
+        fail_lost(study, retry=True)
         recent = [h["state"] for h in mine["history"][-FAILURES_IN_A_ROW:]]
         if len(recent) == FAILURES_IN_A_ROW and set(recent) == {"FAIL"}:
             print(f"worker {worker}: its last {FAILURES_IN_A_ROW} trials failed; it stops (their logs: "
@@ -125,28 +125,6 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
 
 def _values(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-
-
-def _fail_lost(study: Any) -> None:
-    """A RUNNING trial whose worker Slurm lists neither pending nor running is failed, and its values enqueued again
-    (it starts over in a trial of its own). Nothing is done when squeue cannot answer."""
-    here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
-    running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
-               and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
-    if not running:
-        return
-    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
-    if alive is None:
-        return
-    for t in running:
-        task = (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1)))
-        if task in alive:
-            continue
-        why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
-        study._storage.set_trial_user_attr(t._trial_id, "lost", why)
-        study._storage.set_trial_state_values(t._trial_id, studies._optuna().trial.TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
-        print(f"trial {t.number} failed: {why}; its values run again as a new trial", file=sys.stderr)
 
 
 def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0) -> int:
