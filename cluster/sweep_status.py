@@ -63,8 +63,8 @@ def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
 
 def fail_lost(study: Any, retry: bool) -> None:
     """A RUNNING trial whose worker Slurm lists neither pending nor running is failed (never left RUNNING); with
-    ``retry`` (a worker asking), its values are enqueued again and start over as a new trial. Nothing is concluded
-    when squeue cannot answer, and a worker never judges its own trial."""
+    ``retry`` (a worker asking), or while another worker still lives to take it, its values are enqueued again and
+    start over as a new trial. Nothing is concluded when squeue cannot answer; a worker never judges its own trial."""
     import optuna
 
     here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
@@ -82,9 +82,9 @@ def fail_lost(study: Any, retry: bool) -> None:
         why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
         study._storage.set_trial_user_attr(t._trial_id, "lost", why)
         study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-        if retry:
+        if retry or alive:
             study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
-        print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry else ""),
+        print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry or alive else ""),
               file=sys.stderr)
 
 
@@ -134,7 +134,7 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
 
     data = read_sweep(sweep_dir)
     study = open_study(data, sweep_dir)
-    fail_lost(study, retry=False)  # no worker may be left to run it again
+    fail_lost(study, retry=False)  # retried only while a worker lives to run it
     slurm = slurm_states([str(a) for a in data.get("arrays", [])])
     rows = []
     for t in study.get_trials(deepcopy=False):

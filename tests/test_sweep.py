@@ -451,6 +451,22 @@ def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(
     assert worker.end(folder, 0, 0) == 0 and worker.next_trial(folder, 0) == worker.EXIT_DONE
 
 
+@pytest.mark.parametrize(("listed", "retried"), [("900_0\n", True), ("", False)])
+def test_sweep_status_fails_a_lost_trial_and_retries_it_only_while_a_worker_lives(
+        listed: str, retried: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, 1)
+    assert worker.next_trial(folder, 1) == 0
+    lost = assignment(folder, 1)[0]
+    for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):  # sweep-status runs on a login node
+        monkeypatch.delenv(var)
+    squeue.write_text(listed)  # worker 1 is gone; worker 0 still pending, or nobody left
+    rows, study = sweep_status.status(folder)
+    assert study.trials[lost].state.name == "FAIL" and "900_1" in study.trials[lost].user_attrs["lost"]
+    assert [t.user_attrs.get("retry_of") for t in study.trials if t.number != lost] == ([lost] if retried else [])
+    assert {r.index: r.state for r in rows}[lost] == "failed"
+
+
 def test_a_worker_whose_trials_keep_failing_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   squeue: Path) -> None:
     folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))
