@@ -26,7 +26,7 @@ SWEEP ?= cluster/sweeps/example.yaml
 SWEEP_DIR ?=
 CONTAINER ?=
 
-.PHONY: help venv train test lint clean submit sweep sweep-status sweep-dashboard doctor dev-cluster dev-cluster-down sync docker sif bench report
+.PHONY: help venv train test lint clean submit sweep sweep-status sweep-dashboard runs status logs cancel resubmit doctor dev-cluster dev-cluster-down sync docker sif bench report
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -62,6 +62,21 @@ sweep-status: venv  ## a sweep's trials ranked by its metric, and sweep.html: SW
 
 sweep-dashboard: venv  ## optuna-dashboard on a sweep's study, bound to localhost: SWEEP_DIR=sweeps/… PORT=8080
 	@$(BIN)/python -m cluster sweep-dashboard $(if $(SWEEP_DIR),'$(SWEEP_DIR)') --port '$(or $(PORT),8080)'
+
+runs: venv  ## recent runs with state, attempts, progress: STATE=failed SINCE=2d NAME='char-*' TRIALS=1 JSON=1
+	@$(BIN)/python -m cluster runs $(if $(NAME),'$(NAME)') $(if $(STATE),--state '$(STATE)') $(if $(SINCE),--since '$(SINCE)') $(if $(TRIALS),--trials) $(if $(JSON),--json)
+
+status: venv  ## one run on one screen: RUN=<folder, job id or name>
+	@$(BIN)/python -m cluster status '$(RUN)'
+
+logs: venv  ## a run's output: RUN=… RANK=1 ATTEMPT=0 FOLLOW=1
+	@$(BIN)/python -m cluster logs '$(RUN)' $(if $(RANK),--rank '$(RANK)') $(if $(ATTEMPT),--attempt '$(ATTEMPT)') $(if $(FOLLOW),--follow)
+
+cancel: venv  ## cancel a run's job (a sweep: its workers): RUN=…
+	@$(BIN)/python -m cluster cancel '$(RUN)'
+
+resubmit: venv  ## submit a run again in its folder (it resumes): RUN=… ARGS="train.epochs=4" SET="time_min=60"
+	@$(BIN)/python -m cluster resubmit '$(RUN)' $(ARGS) $(foreach s,$(SET),--set '$(s)')
 
 doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
 	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container '$(CONTAINER)') $(ARGS)

@@ -1,5 +1,6 @@
-"""``python -m cluster submit|render|sweep|sweep-status|sweep-dashboard|suspects|save-now``: what `make submit`,
-`make sweep` and the template regeneration call."""
+"""``python -m cluster submit|render|sweep|sweep-status|sweep-dashboard|suspects|save-now`` and the run tools
+``runs|status|logs|cancel|resubmit`` (cluster/runs_cli.py): what `make submit`, `make sweep`, `make runs` and the
+template regeneration call."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster import suspects
+from cluster import runs_cli, suspects
 from cluster.command import Command
-from cluster.profile import load_profile
+from cluster.profile import load_profile, node_range
 from cluster.render import render_sbatch
 from cluster.submit import submit
 from cluster.sweep import run as run_sweep
@@ -51,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--clear", metavar="NODE", help="forget NODE (all: every node)")
     sn = sub.add_parser("save-now", help="ask a running job to save a checkpoint at its next poll, and go on")
     sn.add_argument("run_dir", help="the run folder (runs/<job id>)")
+    runs_cli.add_parsers(sub)
     ns = parser.parse_args(argv)
     return exit_code_of(lambda: _dispatch(ns))
 
 
 def _dispatch(ns: argparse.Namespace) -> int:
+    done = runs_cli.dispatch(ns)
+    if done is not None:
+        return done
     if ns.command == "sweep-status":
         return show_status(ns.sweep_dir)
     if ns.command == "sweep-dashboard":
@@ -83,7 +88,8 @@ def _dispatch(ns: argparse.Namespace) -> int:
         return 0
     if ns.nodes is not None:
         overrides.update(node_range(ns.nodes))
-    return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module)
+    asked = {"cluster": ns.cluster, "set": ns.set, "nodes_arg": ns.nodes}  # for `resubmit`
+    return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module, asked)
 
 
 def save_now(run_dir: Path) -> int:
@@ -93,15 +99,6 @@ def save_now(run_dir: Path) -> int:
     (run_dir / "save-now").touch()
     print(f"asked {run_dir} to save at its next poll (checkpoint.poll_steps)")
     return 0
-
-
-def node_range(text: str) -> dict[str, object]:
-    """``--nodes`` as profile keys: ``N`` (exactly), ``MIN-MAX`` (a range: min_nodes and nodes)."""
-    low, dash, high = text.partition("-")
-    if not (low.isdigit() and (high.isdigit() or not dash)) or int(low) < 1 or (dash and int(high) < int(low)):
-        raise UserError("NODES", f"{text!r} is neither a node count nor a range MIN-MAX of at least 1 node",
-                        "e.g. NODES=2, or NODES=1-2")
-    return {"nodes": int(high or low), "min_nodes": int(low) if high else 0}
 
 
 if __name__ == "__main__":

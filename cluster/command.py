@@ -44,11 +44,14 @@ def requeue_after(p: Profile) -> int:
     return max(1, p.signal_grace_s - 20)
 
 
-def parse(args: list[str], module: str | None = None) -> Command | None:
-    """The command in ``args`` (None: the built-in trainer, ``args`` are its overrides)."""
+def parse(args: list[str], module: str | None = None, check_import: bool = True) -> Command | None:
+    """The command in ``args`` (None: the built-in trainer, ``args`` are its overrides); ``check_import``: the jobs
+    run this interpreter, so a module it cannot import is refused here."""
     if module is not None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module):
             raise UserError("--module", f"{module!r} is not a dotted module name", "e.g. --module mypkg.train")
+        if check_import:
+            _check_importable(module)
         return Command(("python", "-m", module, *args))
     if not args or OVERRIDE.match(args[0]):
         return None
@@ -57,3 +60,27 @@ def parse(args: list[str], module: str | None = None) -> Command | None:
         raise UserError("CMD", f"{args[1]!r} is not a file (looked in {Path.cwd()})",
                         "give the script's path from the folder you submit from; the job starts there")
     return Command(tuple(args))
+
+
+def _check_importable(module: str) -> None:
+    """A module the job could not import fails here, as a missing script does: jobs start in this folder, with this
+    interpreter's packages."""
+    import importlib.util
+    import sys
+
+    here = str(Path.cwd())
+    added = here not in sys.path
+    if added:  # `python -m` puts the working folder first, as the job's tasks will
+        sys.path.insert(0, here)
+    try:
+        found = importlib.util.find_spec(module)
+    except Exception as err:  # a parent package that is missing or fails to import (any error its __init__ raises)
+        found, why = None, f"{type(err).__name__}: {err}"
+    else:
+        why = "no such module"
+    finally:
+        if added:
+            sys.path.remove(here)
+    if found is None:
+        raise UserError("--module", f"{module!r} cannot be imported here ({why}; looked in {here} and {sys.prefix})",
+                        "submit from the folder that holds the package, or pip install it into this environment")

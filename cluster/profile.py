@@ -181,3 +181,12 @@ def validate(p: Profile) -> None:
         if name == "WANDB_API_KEY":
             raise _err("env.WANDB_API_KEY", "secrets do not belong in profiles (they end up in rendered scripts)",
                        "export WANDB_API_KEY in your shell or use ~/.netrc; Slurm passes the environment on")
+
+
+def node_range(text: str) -> dict[str, object]:
+    """``--nodes`` as profile keys: ``N`` (exactly), ``MIN-MAX`` (a range: min_nodes and nodes)."""
+    low, dash, high = text.partition("-")
+    if not (low.isdigit() and (high.isdigit() or not dash)) or int(low) < 1 or (dash and int(high) < int(low)):
+        raise UserError("NODES", f"{text!r} is neither a node count nor a range MIN-MAX of at least 1 node",
+                        "e.g. NODES=2, or NODES=1-2")
+    return {"nodes": int(high or low), "min_nodes": int(low) if high else 0}

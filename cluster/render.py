@@ -108,7 +108,8 @@ def _srun(p: Profile, python: str) -> tuple[str, str]:
     if "-" in p.node_range:  # as many nodes as this attempt got (see sbatch_directives)
         place = (f" --ntasks=$(( SLURM_NNODES * {tasks} )) --ntasks-per-node={tasks}"
                  f" --cpus-per-task={p.cpus_per_task * p.procs_per_task}")
-    srun = f"srun --kill-on-bad-exit=1{place}" + (f" {inside}" if inside else "")
+    # --label: each task's lines carry its number ("1: …"), so `python -m cluster logs --rank 1` finds them.
+    srun = f"srun --kill-on-bad-exit=1 --label{place}" + (f" {inside}" if inside else "")
     return srun, "python3" if inside else shlex.quote(python)
 
 
@@ -264,6 +265,9 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
     lines += [
         *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
                        start=not p.spare_nodes),
+        "# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.",
+        f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then {host_python(p, python)} -m cluster.ledger register '
+        '"$RUN_DIR" "$@" || true; fi',
         "",
         *flight_recorder(p, "$RUN_DIR"),
     ]

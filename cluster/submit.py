@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster import suspects
+from cluster import ledger, suspects
 from cluster.command import Command, parse, requeue_after
 from cluster.profile import Profile
 from cluster.render import (
@@ -144,12 +145,15 @@ def check_slurm() -> None:
                         "and run `eval \"$(slurm/dev-cluster.sh env)\"`")
 
 
-def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool, module: str | None = None) -> int:
+def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool, module: str | None = None,
+           origin: dict[str, Any] | None = None) -> int:
     """Submit (or with dry_run print) one job: the built-in trainer with overrides ``args``, or the command in
-    ``args`` (``module``: ``python -m module args``); with wait, block and report the result."""
+    ``args`` (``module``: ``python -m module args``); with wait, block and report the result. ``origin``: how it was
+    asked for (profile name, ``--set``, …), kept in the ledger so that ``resubmit`` can ask again."""
     if launcher not in ("submitit", "sbatch"):
         raise UserError("LAUNCHER", f"must be submitit or sbatch, got {launcher!r}", "LAUNCHER=sbatch or leave it unset")
-    command = parse(args, module)
+    # A container or another interpreter has packages of its own: only this one's imports are checked here.
+    command = parse(args, module, check_import=p.container.runtime == "none" and python_for(p) == sys.executable)
     if command is None:
         _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}", p.world_sizes())
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
@@ -167,9 +171,21 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
         return 0
     check_slurm()
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
+    entry = {"kind": "job", "name": p.job_name, "launcher": launcher, "profile": p.name, "nodes": p.node_range,
+             "args": list(args), "module": module, "command": None if command is None else list(command.argv),
+             **(origin or {})}
     if launcher == "sbatch":
-        return _submit_sbatch(p, args, command, wait)
-    return _submit_submitit(p, args, command, wait)
+        return _submit_sbatch(p, args, command, wait, entry)
+    return _submit_submitit(p, args, command, wait, entry)
+
+
+def _record(entry: dict[str, Any], job_id: str, args: list[str], log: str) -> None:
+    """The ledger's record of a submitted job (before waiting for it): where its run folder and logs are."""
+    run_dir = os.environ.get("RUN_DIR") or split_run_dir(args)[1] or f"runs/{job_id}"
+    try:
+        ledger.write({**entry, "job_id": job_id, "run_dir": str(Path(run_dir).resolve()), "log": str(Path(log).resolve())})
+    except OSError as err:  # the job is submitted; only `runs` will not know it
+        print(f"warning: could not record job {job_id} in {ledger.folder()}: {err}", file=sys.stderr)
 
 
 def _check_trainer_args(args: list[str], warned_with: str, worlds: list[int]) -> None:
@@ -202,7 +218,7 @@ def tail(path: Path, lines: int = 12) -> str:
         return ""
 
 
-def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
+def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: bool, entry: dict[str, Any]) -> int:
     script = sbatch_script(p, args, command)
     avoid = suspect_nodes()
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
@@ -216,6 +232,7 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
         print(f"sbatch refused the job (exit {proc.returncode}); its message is above", file=sys.stderr)
         return proc.returncode or 1
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
+    _record(entry, job_id, [] if command else args, str(log))
     what = f"command: {command}, " if command else ""
     spare = f" + {p.spare_nodes} spare" if p.spare_nodes else ""
     print(f"submitted job {job_id} (sbatch, {what}{p.nodes}{spare} node(s), profile {p.name})")
@@ -227,7 +244,7 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
     return rc
 
 
-def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool) -> int:
+def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool, entry: dict[str, Any]) -> int:
     ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
     avoid = suspect_nodes()
     if avoid:
@@ -236,6 +253,7 @@ def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait:
         TrainTask(list(args)) if command is None
         else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))
     job = ex.submit(task)
+    _record(entry, str(job.job_id), [] if command else args, str(Path(job.paths.stdout).parent))
     what = f"command: {command}, " if command else ""
     print(f"submitted job {job.job_id} (submitit, {what}{p.nodes} node(s), profile {p.name})")
     print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")

@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from cluster import ledger
 from cluster import study as studies
 from cluster.profile import Profile, load_profile
 from cluster.submit import check_slurm, load_train_config, python_for, suspect_nodes
@@ -224,6 +225,12 @@ def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record
     record["arrays"] = [*record["arrays"], array]
     record["submitted_at"] = datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(sweep_dir / "sweep.json", record)
+    try:  # one record per sweep (RESUME adds its array to it)
+        ledger.write({"kind": "sweep", "key": record["sweep_id"], "name": record["sweep_id"], "job_id": record["arrays"][0],
+                      "arrays": record["arrays"], "run_dir": str(sweep_dir), "profile": p.name, "launcher": "sweep",
+                      "spec_file": record["spec_file"], "log": str(sweep_dir / "logs")})
+    except OSError as err:
+        print(f"warning: could not record sweep {sweep_dir.name} in {ledger.folder()}: {err}", file=sys.stderr)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in
     print(f"submitted sweep {sweep_dir.name}: {record['target']} trials ({spec.method}, pruner {spec.pruner}) run by "
           f"{spec.max_parallel} worker(s) as Slurm array {array} (profile {p.name})")

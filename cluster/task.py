@@ -21,6 +21,15 @@ def _leave_requeue_to_the_batch_script() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+def _announce() -> None:
+    # submitit keeps one log per task across attempts: the batch shell's line, in each of them, splits the attempts
+    # (`python -m cluster logs --attempt K`).
+    line = (f"attempt {os.environ.get('SLURM_RESTART_COUNT', '0')} of job {os.environ.get('SLURM_JOB_ID', '0')} starts "
+            f"on {os.environ.get('SLURMD_NODENAME', '?')}")
+    print(line, flush=True)
+    print(line, file=sys.stderr, flush=True)
+
+
 def _requeue_exit() -> None:
     # Leaving without a result keeps the submitting side waiting for the requeued run's result.
     sys.exit(EXIT_REQUEUE)
@@ -36,6 +45,7 @@ class TrainTask:
         from trainer.__main__ import run
 
         _leave_requeue_to_the_batch_script()
+        _announce()
         args = self.args
         try:
             result = run(args)
@@ -62,6 +72,7 @@ class CommandTask:
         from trainer.launch import run
 
         _leave_requeue_to_the_batch_script()
+        _announce()
         try:
             rc = run(self.argv, self.warning, self.requeue_after)
         except UserError as err:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster import ledger
 from cluster import study as studies
 from cluster.sweep_spec import SweepSpec, trial_args
 from cluster.sweep_status import fail_lost
@@ -99,6 +100,7 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
                 import optuna
 
                 _write_assignment(sweep_dir, worker, mine, optuna.trial.Trial(study, mine["trial_id"]), spec, record)
+                _record(sweep_dir, worker, record, trial.number, trial.params)  # a RESUME's array holds it now
                 print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
                       f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
                 return 0
@@ -119,8 +121,21 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
                      }.items():
             trial.set_user_attr(k, v)
         _write_assignment(sweep_dir, worker, mine, trial, spec, record)
+    _record(sweep_dir, worker, record, trial.number, trial.params)
     print(f"worker {worker}: trial {trial.number} {_values(trial.params)}", file=sys.stderr)
     return 0
+
+
+def _record(sweep_dir: Path, worker: int, record: dict[str, Any], number: int, params: dict[str, Any]) -> None:
+    """The trial in the ledger (``python -m cluster runs --trials``), under its worker's array task."""
+    name = f"{record['sweep_id']}-{number}"
+    try:
+        ledger.write({"kind": "trial", "key": name, "name": name, "trial": number, "worker": worker,
+                      "job_id": f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}", "sweep_dir": str(sweep_dir),
+                      "run_dir": str(sweep_dir / "trials" / str(number)), "params": params, "launcher": "sweep",
+                      "log": str(sweep_dir / "logs" / f"worker-{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}.out")})
+    except OSError as err:
+        print(f"worker {worker}: could not record trial {number} in the ledger: {err}", file=sys.stderr)
 
 
 def _values(params: dict[str, Any]) -> str:
@@ -214,7 +229,7 @@ def _outcome(run_dir: Path, rc: int, metric: str) -> tuple[str, float | None, st
         return "FAIL", None, f"the tasks exited {rc} without a result.json"
     if result.get("outcome") == "pruned":
         return "PRUNED", None, f"pruned at step {result.get('global_step')}"
-    if rc or result.get("outcome") != "finished":
+    if rc or result.get("outcome", "finished") != "finished":  # a command's own result.json may say nothing of it
         return "FAIL", None, str(result.get("reason") or result.get("cause") or f"the tasks exited {rc}")
     value = result.get(metric)
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):

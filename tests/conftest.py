@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,12 @@ from trainer.core.env import without_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
+
+# The tests' submissions go to a ledger of their own, not the checkout's runs/ledger (a user's list of runs); the
+# jobs they submit inherit it.
+if "TRAINER_LEDGER" not in os.environ:
+    os.environ["TRAINER_LEDGER"] = tempfile.mkdtemp(prefix="test-ledger-")
+    atexit.register(shutil.rmtree, os.environ["TRAINER_LEDGER"], True)
 
 # Small enough for seconds per run on 2 cores, big enough to learn.
 SMALL = [

@@ -198,8 +198,9 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     res = _run_script(sbatch_script(p, []), tmp_path, 137, 0, False, KILLED)
     assert res["rc"] == 0 and _changes(res) == [], res
     sruns = [c[1] for c in res["calls"] if c[0] == "srun"]  # type: ignore[index,union-attr]
-    assert [a[:3] for a in sruns] == [["--kill-on-bad-exit=1", "--nodes=2", "--nodelist=n1,n2"],  # type: ignore[index]
-                                      ["--kill-on-bad-exit=1", "--nodes=2", "--nodelist=n1,n3"]], sruns
+    assert [a[:4] for a in sruns] == [  # type: ignore[index]
+        ["--kill-on-bad-exit=1", "--label", "--nodes=2", "--nodelist=n1,n2"],
+        ["--kill-on-bad-exit=1", "--label", "--nodes=2", "--nodelist=n1,n3"]], sruns
     ends = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     ends = [e for e in ends if e["event"] == "attempt_end"]
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
@@ -364,7 +365,7 @@ def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, r
     (["python", "cluster/__init__.py", "x=1"], None, ("python", "cluster/__init__.py", "x=1")),
     (["python", "-c", "print(1)"], None, ("python", "-c", "print(1)")),
     (["./run.sh"], None, ("./run.sh",)),
-    (["--lr", "1"], "pkg.train", ("python", "-m", "pkg.train", "--lr", "1")),
+    (["--lr", "1"], "trainer.launch", ("python", "-m", "trainer.launch", "--lr", "1")),
 ])
 def test_what_a_submission_runs(args: list[str], module: str | None, expected: tuple[str, ...] | None) -> None:
     cmd = parse(args, module)

@@ -27,11 +27,13 @@ job_event() {
 }
 job_event job_start
 echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
-  srun --kill-on-bad-exit=1 <python> -m trainer.doctor || rc=$?
+  srun --kill-on-bad-exit=1 --label <python> -m trainer.doctor || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
@@ -40,7 +42,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   fi
 fi
 rc=0
-srun --kill-on-bad-exit=1 <python> -m trainer.launch --signal USR2 -- python train.py 'a b' 'x'"'"'; touch pwned; echo '"'"'y' '$(touch pwned)' '`touch pwned`' --lr=1 '*' "$@" || rc=$?
+srun --kill-on-bad-exit=1 --label <python> -m trainer.launch --signal USR2 -- python train.py 'a b' 'x'"'"'; touch pwned; echo '"'"'y' '$(touch pwned)' '`touch pwned`' --lr=1 '*' "$@" || rc=$?
 
 job_event job_end ", \"code\": $rc"
 <python> -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them

@@ -27,13 +27,15 @@ job_event() {
 }
 job_event job_start
 echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-  srun --kill-on-bad-exit=1 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+  srun --kill-on-bad-exit=1 --label bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$SLURM_NNODES" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
       -m trainer.doctor || rc=$?
@@ -45,7 +47,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   fi
 fi
 rc=0
-srun --kill-on-bad-exit=1 <python> -m trainer.launch --signal USR2 --torchrun 1 -- python train.py 'a b' 'x'"'"'; touch pwned; echo '"'"'y' '$(touch pwned)' '`touch pwned`' --lr=1 '*' "$@" || rc=$?
+srun --kill-on-bad-exit=1 --label <python> -m trainer.launch --signal USR2 --torchrun 1 -- python train.py 'a b' 'x'"'"'; touch pwned; echo '"'"'y' '$(touch pwned)' '`touch pwned`' --lr=1 '*' "$@" || rc=$?
 
 job_event job_end ", \"code\": $rc"
 <python> -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them

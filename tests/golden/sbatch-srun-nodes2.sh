@@ -27,6 +27,8 @@ job_event() {
 }
 job_event job_start
 echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
@@ -34,7 +36,7 @@ done
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
-  srun --kill-on-bad-exit=1 <python> -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
+  srun --kill-on-bad-exit=1 --label <python> -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
@@ -43,7 +45,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   fi
 fi
 rc=0
-srun --kill-on-bad-exit=1 <python> -m trainer optim.lr=0.1 "$@" || rc=$?
+srun --kill-on-bad-exit=1 --label <python> -m trainer optim.lr=0.1 "$@" || rc=$?
 
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).

@@ -25,6 +25,8 @@ job_event() {
     "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \
     >> "$RUN_DIR/events.jsonl" || true
 }
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
@@ -44,7 +46,7 @@ while :; do
   # Preflight checks on every node and GPU (profile doctor: true; DOCTOR=0|1 overrides).
   if [[ "${DOCTOR:-1}" == 1 ]]; then
     rc=0
-    srun --kill-on-bad-exit=1 --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) <python> -m trainer.doctor optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
+    srun --kill-on-bad-exit=1 --label --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) <python> -m trainer.doctor optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
     if (( rc )); then
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
@@ -54,7 +56,7 @@ while :; do
     fi
   fi
   rc=0
-  srun --kill-on-bad-exit=1 --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) <python> -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
+  srun --kill-on-bad-exit=1 --label --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) <python> -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
 
   job_event job_end ", \"code\": $rc"
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).

@@ -26,6 +26,8 @@ job_event() {
 }
 job_event job_start
 echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
@@ -35,7 +37,7 @@ if [[ "${DOCTOR:-1}" == 1 ]]; then
   rc=0
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-  srun --kill-on-bad-exit=1 --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+  srun --kill-on-bad-exit=1 --label --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$SLURM_NNODES" --nproc-per-node=2 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
       -m trainer.doctor optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
@@ -49,7 +51,7 @@ fi
 rc=0
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-srun --kill-on-bad-exit=1 --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+srun --kill-on-bad-exit=1 --label --ntasks=$(( SLURM_NNODES * 1 )) --ntasks-per-node=1 --cpus-per-task=2 bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc-per-node=2 \
     --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?

@@ -25,6 +25,8 @@ job_event() {
     "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \
     >> "$RUN_DIR/events.jsonl" || true
 }
+# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
@@ -46,7 +48,7 @@ while :; do
     rc=0
     head=${step_nodes%%,*}
     port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-    srun --kill-on-bad-exit=1 --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+    srun --kill-on-bad-exit=1 --label --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
         --nnodes="$need" --nproc-per-node=1 \
         --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
         -m trainer.doctor optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
@@ -61,7 +63,7 @@ while :; do
   rc=0
   head=${step_nodes%%,*}
   port=$(( 15000 + SLURM_JOB_ID % 15000 ))
-  srun --kill-on-bad-exit=1 --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
+  srun --kill-on-bad-exit=1 --label --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$need" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \
       -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?

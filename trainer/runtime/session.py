@@ -257,7 +257,7 @@ class Session:
             yield step
             self.steps_here += 1
             if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
-                self.events.emit("first_step", step=step)
+                self.events.emit("first_step", step=step, stop=stop)
                 self.heartbeat.start()
 
     def alive(self) -> None:

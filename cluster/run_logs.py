@@ -1,0 +1,151 @@
+"""``python -m cluster logs RUN [--rank N] [--attempt K] [-f]``: one attempt's, one rank's output.
+
+Both launchers keep every attempt in one file per job (sbatch: the batch log, each task's line tagged ``N: `` by
+``srun --label``; submitit: one file per task). Each attempt starts with the batch shell's (or the task's) line
+``attempt K of job J starts``, which splits them; the rank is the Slurm task (with ``launch: torchrun``, the node).
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.core.errors import UserError
+
+MARK = re.compile(r"(?:^|\s)attempt ([\d.]+) of job (\d+) starts")
+"""An attempt's first line; its id is Slurm's restart count, with ``.N`` for a restart inside the allocation."""
+LABEL = re.compile(r"^\s*(\d+): ")
+
+
+def files(record: dict[str, Any], rank: int | None) -> list[Path]:
+    """The job's log files: the batch log (sbatch), or its tasks' files (submitit: ``<job>_<task>_log.out/err``)."""
+    if not record.get("log"):
+        return []
+    log = Path(str(record["log"]))
+    if record.get("launcher") != "submitit":
+        return [log]
+    job = str(record["job_id"])
+    task = "*" if rank is None else str(rank)
+    return sorted(log.glob(f"{job}_{task}_log.out")) + sorted(log.glob(f"{job}_{task}_log.err"))
+
+
+def attempts(lines: list[str], job: str) -> list[tuple[str, list[str]]]:
+    """The lines of each attempt of ``job`` (before the first mark: attempt 0's). A mark repeated for the same
+    attempt (the batch shell's and a submitit task's) does not split it."""
+    out: list[tuple[str, list[str]]] = [("0", [])]
+    marked = False
+    for line in lines:
+        found = MARK.search(line)
+        if found and found.group(2) == job and not (marked and out[-1][0] == found.group(1)):
+            out.append((found.group(1), []))
+            marked = True
+        out[-1][1].append(line)
+    return [(k, part) for k, part in out if part]
+
+
+def select(lines: list[str], job: str, rank: int | None, attempt: str | None, labelled: bool) -> list[str]:
+    """The lines of one attempt (all of them: None) of one rank (every rank: None); labels are taken off."""
+    parts = attempts(lines, job)
+    if attempt is not None:
+        parts = [p for p in parts if p[0] == attempt]
+    chosen = [line for _, part in parts for line in part]
+    if rank is None or not labelled:
+        return chosen
+    out = []
+    for line in chosen:
+        found = LABEL.match(line)
+        if found and int(found.group(1)) == rank:
+            out.append(line[found.end():])
+    return out
+
+
+def read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def show(record: dict[str, Any], rank: int | None, attempt: str | None, follow: bool,
+         alive: Callable[[], bool], poll_s: float = 2.0) -> int:
+    """Print the chosen lines; with ``follow``, go on printing new ones while ``alive()`` says the job may still
+    write (pending, running, requeued, suspended, or Slurm did not answer)."""
+    if record.get("kind") == "sweep":
+        raise UserError("RUN", f"{record.get('name')} is a sweep: its workers' logs are in {record.get('log')}",
+                        "python -m cluster logs <sweep>-<n> for one trial (its worker's log), or runs --trials")
+    if record.get("kind") == "trial":  # its worker's log, from the trial's start to the next trial's
+        lines = trial_lines(read_lines(Path(str(record.get("log")))), int(record["worker"]), int(record["trial"]))
+        if rank is not None:
+            lines = [line[m.end():] for line in lines if (m := LABEL.match(line)) and int(m.group(1)) == rank]
+        print("\n".join(lines))
+        return 0
+    job = str(record["job_id"])
+    paths = files(record, rank)
+    while follow and not any(p.exists() for p in paths) and alive():  # pending: no log yet
+        time.sleep(poll_s)
+        paths = files(record, rank)
+    if not any(p.exists() for p in paths):
+        raise UserError("RUN", f"no log of job {job} at {record.get('log') or '(not recorded)'}",
+                        "a pending job has none yet (-f waits for it); a removed log cannot be shown")
+    labelled = record.get("launcher") != "submitit"
+    for path in paths:
+        if len(paths) > 1:
+            print(f"==> {path} <==")
+        for line in select(read_lines(path), job, rank, attempt, labelled):
+            print(line)
+    if follow:  # the attempt being written (submitit: the first of the chosen task files)
+        for line in _follow(paths[0], job, rank, labelled, alive, poll_s):
+            print(line, flush=True)
+    return 0
+
+
+def _follow(path: Path, job: str, rank: int | None, labelled: bool, alive: Callable[[], bool],
+            poll_s: float) -> Iterator[str]:
+    """New lines of ``path`` (of ``rank``) until the job ends; a new attempt's first line is shown too."""
+    offset = path.stat().st_size if path.exists() else 0
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may straddle two reads
+    partial = ""
+    while True:
+        running = alive()
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            chunk = b""
+        offset += len(chunk)
+        *complete, partial = (partial + decode.decode(chunk)).split("\n")
+        if not running and partial:  # the job ended: its last line will not get a newline
+            complete, partial = [*complete, partial], ""
+        for line in complete:
+            yield from ([line] if MARK.search(line) else select([line], job, rank, None, labelled))
+        if not running:
+            return
+        time.sleep(poll_s)
+
+
+def last_lines(record: dict[str, Any], rank: int | None, attempt: str, count: int = 10) -> list[str]:
+    """The last lines of one attempt of one rank (for ``status`` on a failed attempt)."""
+    job = str(record["job_id"])
+    out: list[str] = []
+    for path in files(record, rank):
+        out += select(read_lines(path), job, rank, attempt, record.get("launcher") != "submitit")
+    return out[-count:]
+
+
+def trial_lines(lines: list[str], worker: int, trial: int) -> list[str]:
+    """A sweep worker's log cut to one trial: from the worker's line that takes (or re-attaches to) it to the line
+    that takes the next one."""
+    take = re.compile(rf"worker {worker}: (?:trial|re-attached to trial) (\d+)\b")
+    out, inside = [], False
+    for line in lines:
+        found = take.search(line)
+        if found:
+            inside = int(found.group(1)) == trial
+        if inside:
+            out.append(line)
+    return out
