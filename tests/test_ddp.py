@@ -83,7 +83,7 @@ def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> 
     stranger.bind(("", port))
     stranger.listen(8)  # accepts connections into its backlog, never answers
     try:
-        ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=20"], tmp_path,
+        ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=6"], tmp_path,
                             env={"MASTER_PORT": str(port)})
         out0 = ranks[0].communicate(timeout=120)[0]
         assert ranks[0].returncode == 2, out0
