@@ -3,8 +3,8 @@
 One file per submission, replaced atomically, because a shared file system makes one appended file or a local
 SQLite unsafe (or split across login nodes). ``python -m cluster submit`` and ``sweep`` write a record when they
 submit; a hand-run ``sbatch slurm/train.sbatch`` registers itself from its batch script
-(``python -m cluster.ledger register``), which never replaces a record already there. Stdlib only: the batch
-shell runs it with the job's python before anything else of the project is imported.
+(``python -m cluster.ledger register``), which never replaces a record already there. Stdlib and torch-free
+modules only, as the verdict: the batch shell may run it with the host's python3 beside a container.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from cluster import nodes
+from trainer.core.events import git_commit
 
 LEDGER_ENV = "TRAINER_LEDGER"
 """A folder to keep the ledger in instead of ``<project>/runs/ledger`` (tests, or a shared folder of your choice)."""
@@ -42,15 +44,6 @@ def folder() -> Path:
 def _name(job_id: str) -> str:
     # Job ids are digits (an array task 12_3); anything else is kept out of the file name.
     return re.sub(r"[^0-9A-Za-z_.-]", "_", job_id) + ".json"
-
-
-def git_commit(where: Path) -> str | None:
-    """The commit of the code in ``where``, when it is a git checkout."""
-    try:
-        out = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def write(record: dict[str, Any], replace: bool = True) -> Path:
@@ -91,16 +84,6 @@ def when(record: dict[str, Any], default: float = 0.0) -> float:
         return default
 
 
-def update(job_id: str, **fields: Any) -> None:
-    """Add ``fields`` to a job's record (e.g. ``cancelled_at``); nothing when there is none."""
-    path = folder() / _name(job_id)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    write({**record, **fields})
-
-
 def records() -> list[dict[str, Any]]:
     """Every record, newest first (unreadable files are skipped: a record is being replaced, or was not ours)."""
     out = []
@@ -124,24 +107,14 @@ def current_user() -> str:
         return str(os.getuid())
 
 
-def _log_of(job_id: str) -> str | None:
-    """The job's batch log, as Slurm names it (``scontrol show job``'s StdOut)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"\bStdOut=(\S+)", out.stdout)
-    return found.group(1) if found else None
-
-
 def register(run_dir: str, args: list[str]) -> int:
     """From a batch script (a hand-run template, or ``LAUNCHER=sbatch``): record this job unless it is recorded."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job or (folder() / _name(job)).exists():  # the submitting side recorded it (more fully)
         return 0
     record = {"kind": "job", "name": os.environ.get("SLURM_JOB_NAME", "job"), "job_id": job, "launcher": "sbatch",
-              "run_dir": run_dir, "args": args, "log": _log_of(job), "nodes": os.environ.get("SLURM_JOB_NUM_NODES"),
-              "by_hand": True}
+              "run_dir": run_dir, "args": args, "log": nodes.job_fields(job).get("StdOut"),
+              "nodes": os.environ.get("SLURM_JOB_NUM_NODES"), "by_hand": True}
     try:
         write(record, replace=False)
     except OSError as err:  # the job runs on without its record

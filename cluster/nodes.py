@@ -1,4 +1,5 @@
-"""What the verdict asks Slurm about a job and its nodes: its log, whether enough nodes remain, requeue and exclude.
+"""What the verdict (and the run and sweep tools) ask Slurm about a job and its nodes: its log, whether enough nodes
+remain, requeue and exclude.
 
 Slurm takes ``ExcNodeList`` only on a pending job, so :func:`requeue` requeues first and updates after, while the
 batch shell is still inside KillWait. Stdlib only (the verdict runs with the host's python3).
@@ -13,6 +14,14 @@ from pathlib import Path
 
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "unk", "futr", "boot", "powered", "pow_dn", "npc")
 """Node states (sinfo's short forms, their prefixes) a requeued job cannot start on."""
+
+
+def ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
+    """Run a Slurm command; None when it cannot be run or hangs (then nothing may be concluded from it)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _run(*cmd: str) -> tuple[int, str]:

@@ -15,14 +15,14 @@ from trainer.core.errors import UserError
 
 def _live_ids(record: dict[str, Any]) -> list[str]:
     """The job ids (array tasks too) of ``record`` that Slurm lists as pending or running."""
+    if record.get("kind") == "trial":
+        raise UserError("RUN", f"{record.get('name')} is a sweep's trial: its worker runs the next one after it",
+                        f"cancel the sweep: python -m cluster cancel {str(record.get('sweep_dir', '')).rstrip('/')}")
     slurm = ask_slurm([])
     if slurm.queue is None:
         raise UserError("squeue", "Slurm did not answer", "try again on a login node (eval \"$(slurm/dev-cluster.sh env)\" "
                         "for the dev cluster)")
     ids = [str(a) for a in record.get("arrays") or [record["job_id"]]]
-    if record.get("kind") == "trial":
-        raise UserError("RUN", f"{record.get('name')} is a sweep's trial: its worker runs the next one after it",
-                        f"cancel the sweep: python -m cluster cancel {str(record.get('sweep_dir', '')).rstrip('/')}")
     return [j for j in slurm.queue if j in ids or j.partition("_")[0] in ids]
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from cluster import ledger
+from cluster.nodes import ask
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
 
@@ -38,25 +38,18 @@ class Slurm:
     accounting: dict[str, list[tuple[str, str]]] | None = None  # job id → [(state, nodes)] per attempt, oldest first
 
 
-def _ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def ask_slurm(job_ids: list[str]) -> Slurm:
     """One squeue for every live job of this user (ids of ended jobs would make ``squeue -j`` fail) and one
     ``sacct --duplicates`` for ``job_ids``."""
     out = Slurm()
-    proc = _ask(["squeue", "-h", "-r", "-u", ledger.current_user(), "-o", "%i|%T|%N|%u"])
+    proc = ask(["squeue", "-h", "-r", "-u", ledger.current_user(), "-o", "%i|%T|%N"])
     if proc is not None and proc.returncode == 0:
         out.queue = {}
         for line in filter(None, proc.stdout.splitlines()):
             job, state, nodes = (line.split("|") + ["", ""])[:3]
             out.queue[job.strip()] = (state, nodes)
     if job_ids:
-        proc = _ask(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList"])
+        proc = ask(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList"])
         if proc is not None and proc.returncode == 0:
             out.accounting = {}
             for line in filter(None, proc.stdout.splitlines()):
@@ -67,13 +60,13 @@ def ask_slurm(job_ids: list[str]) -> Slurm:
 
 def owner_of(job: str) -> str | None:
     """The user a live job belongs to (None: Slurm does not list it, or does not answer)."""
-    proc = _ask(["squeue", "-h", "-j", job, "-o", "%u"])
+    proc = ask(["squeue", "-h", "-j", job, "-o", "%u"])
     return proc.stdout.split()[0] if proc is not None and proc.returncode == 0 and proc.stdout.split() else None
 
 
 def job_state_now(job: str) -> str | None:
     """One job's squeue state ("" once squeue no longer lists it); None when squeue does not answer."""
-    proc = _ask(["squeue", "-h", "-j", job, "-o", "%T"])
+    proc = ask(["squeue", "-h", "-j", job, "-o", "%T"])
     if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
         return None
     return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
@@ -190,9 +183,10 @@ def sweep_row(record: dict[str, Any], slurm: Slurm) -> tuple[str, int, str]:
 
 def rows(slurm: Slurm | None = None, trials: bool = False) -> list[Row]:
     """A row per recorded run, newest first (trials only with ``trials``)."""
-    recs = [r for r in ledger.records() if trials or r.get("kind") != "trial"]
+    every = ledger.records()
+    recs = [r for r in every if trials or r.get("kind") != "trial"]
     slurm = slurm or ask_slurm(sorted({str(j) for r in recs for j in (r.get("arrays") or [r["job_id"]])}))
-    superseded = {str(r["resubmit_of"]) for r in ledger.records() if r.get("resubmit_of")}
+    superseded = {str(r["resubmit_of"]) for r in every if r.get("resubmit_of")}
     now, out = time.time(), []
     for r in recs:
         run_dir = Path(str(r.get("run_dir", "")))

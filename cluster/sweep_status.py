@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from cluster import sweep_report
+from cluster.nodes import ask
 from cluster.trials import Row, columns, show
 from trainer.core.errors import UserError
 
@@ -41,19 +41,12 @@ def job_indexes(job: str, array_id: str) -> list[int]:
     return out
 
 
-def _ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):  # no Slurm here, or it hangs
-        return None
-
-
 def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
     """The (array, task) pairs Slurm lists as pending or running (any state squeue still shows); None when squeue
     cannot answer (then nothing may be concluded)."""
     if not arrays:
         return set()
-    proc = _ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
+    proc = ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
     if proc is None:
         return None
     if proc.returncode:  # every job gone from slurmctld's memory: "Invalid job id specified"
@@ -96,7 +89,7 @@ def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
     joined = ",".join(arrays)
     for cmd in (["sacct", "-j", joined, "-n", "-P", "-X", "--format=JobID,State"],
                 ["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T"]):
-        proc = _ask(cmd)
+        proc = ask(cmd)
         for line in (proc.stdout if proc is not None and proc.returncode == 0 else "").splitlines():
             job, _, state = line.strip().partition("|")
             for a in arrays:

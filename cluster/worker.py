@@ -25,7 +25,7 @@ from typing import Any
 from cluster import ledger
 from cluster import study as studies
 from cluster.sweep_spec import SweepSpec, trial_args
-from cluster.sweep_status import fail_lost
+from cluster.sweep_status import fail_lost, log_path
 from trainer.core.events import read as read_events
 from trainer.core.exits import attempt_id
 from trainer.core.files import write_json
@@ -128,12 +128,11 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
 
 def _record(sweep_dir: Path, worker: int, record: dict[str, Any], number: int, params: dict[str, Any]) -> None:
     """The trial in the ledger (``python -m cluster runs --trials``), under its worker's array task."""
-    name = f"{record['sweep_id']}-{number}"
+    name, task = f"{record['sweep_id']}-{number}", f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}"
     try:
-        ledger.write({"kind": "trial", "key": name, "name": name, "trial": number, "worker": worker,
-                      "job_id": f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}", "sweep_dir": str(sweep_dir),
-                      "run_dir": str(sweep_dir / "trials" / str(number)), "params": params, "launcher": "sweep",
-                      "log": str(sweep_dir / "logs" / f"worker-{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}.out")})
+        ledger.write({"kind": "trial", "key": name, "name": name, "trial": number, "worker": worker, "job_id": task,
+                      "sweep_dir": str(sweep_dir), "run_dir": str(sweep_dir / "trials" / str(number)), "params": params,
+                      "launcher": "sweep", "log": str(log_path(sweep_dir, task))})
     except OSError as err:
         print(f"worker {worker}: could not record trial {number} in the ledger: {err}", file=sys.stderr)
 
