@@ -286,7 +286,9 @@ def fit(cfg: Config) -> dict[str, Any]:
         # cuBLAS is deterministic only with a fixed workspace, read when its handle is made (first matmul,
         # still ahead); without it torch raises from inside the first linear layer.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(cfg.train.deterministic)
+    if cfg.train.deterministic != torch.are_deterministic_algorithms_enabled():
+        # Only when it changes something: the call imports torch._inductor (1-3 s of every process's start-up).
+        torch.use_deterministic_algorithms(cfg.train.deterministic)
     with Session(cfg) as sess:
         try:
             parts = build_parts(cfg)  # the user's code runs before the run folder exists: a bad plugin leaves nothing

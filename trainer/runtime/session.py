@@ -164,10 +164,13 @@ class Session:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device inside DDP, or with ``dist.strategy=fsdp`` sharded in place with FSDP2
-        (blocks from ``model.fsdp_blocks()`` or found; returned as is). Create the optimizer after this."""
+        (blocks from ``model.fsdp_blocks()`` or found; returned as is); one process gets it unwrapped. Create the
+        optimizer after this."""
         self.model = model.to(self.device)
-        if self.cfg.dist.strategy == "fsdp" and self.env.world_size == 1:
-            return self.model  # nothing to shard across one process (its checkpoints stay sharded-format)
+        if self.env.world_size == 1:
+            # Nothing to reduce or shard across one process (checkpoints keep their format). DDP would only add its
+            # start-up: its constructor imports torch._dynamo, 1-3 s of CPU.
+            return self.model
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
         return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -231,6 +234,7 @@ class Session:
         checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
                                          self.cfg.checkpoint.keep, self.faults.save_delay_s,
                                          on_write=self._heartbeat.alive, model=self.model)
+        checkpointer.delay_from_step = self.faults.save_delay_from_step
         policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
                              self.job.mtbf_hours, self.faults.end_in_s)
         self._saves = Saves(checkpointer, policy, self._heartbeat,
