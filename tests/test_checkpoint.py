@@ -69,10 +69,11 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> 
     run = tmp_path / "run"
     args = [*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"]
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
-                            env=clean_env(faults(save_delay_s=30)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=clean_env(faults(save_delay_s=30, save_delay_from_step=20)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = run / "checkpoints"
     deadline = time.monotonic() + 120
-    # The first save sleeps half-written for 30 s too: wait for it to commit and the second to start.
+    # The second save sleeps half-written for 30 s (the first commits at once): wait until it is under way.
     while not ((folder / "step_00000010.json").exists() and (folder / ".step_00000020.pt.tmp").exists()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.2)

@@ -79,10 +79,10 @@ def every4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sigkill_in_the_middle_of_a_sharded_save_resumes_from_the_previous_step(tmp_path: Path, every4: Path) -> None:
     run = tmp_path / "run"
     args = [*BUILTIN, f"run.dir={run}", "checkpoint.every_steps=4"]
-    ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=8))
+    ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=30, save_delay_from_step=8))
     folder = run / "checkpoints"
     deadline = time.monotonic() + 120
-    # Rank 0 sleeps in every save with the step folder half made: wait for step 4 to commit and step 8 to start.
+    # Rank 0 sleeps in the save of step 8 with its folder half made (step 4 commits at once): wait until it is there.
     while not ((folder / "step_00000004.json").exists() and (folder / ".step_00000008.tmp").is_dir()):
         assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline, ranks[0].communicate()[0]
         time.sleep(0.1)

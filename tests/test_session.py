@@ -68,9 +68,10 @@ def test_char_lm_with_a_global_batch_continues_on_one_process_as_on_two(tmp_path
 def test_char_lm_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*LM, f"run.dir={run}", "checkpoint.every_steps=5"]
-    ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=30), script=CHAR_LM)
+    ranks = spawn_ranks(args, tmp_path, env=faults(save_delay_s=30, save_delay_from_step=10),
+                        script=CHAR_LM)
     folder, deadline = run / "checkpoints", time.monotonic() + 150
-    # Every save sleeps half-written for 30 s: wait for the first to commit and the second to be under way.
+    # The second save sleeps half-written for 30 s (the first commits at once): wait until it is under way.
     while not ((folder / "step_00000005.json").exists() and (folder / ".step_00000010.pt.tmp").exists()):
         assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline
         time.sleep(0.2)

@@ -20,6 +20,7 @@ class Checkpointer(ABC):
 
     def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0) -> None:
         self.folder, self.is_main, self.keep, self.save_delay_s = folder, is_main, keep, save_delay_s
+        self.delay_from_step = 0  # test hook (faults.save_delay_from_step): earlier saves do not sleep
         self.last_path: Path | None = None
         self._error: BaseException | None = None
 
@@ -29,6 +30,10 @@ class Checkpointer(ABC):
         """Collective: commit ``state`` (rank 0's: step, loaders, user dicts) and ``sharded`` (models and optimizers
         that every rank holds a part of; the single-file format takes them from ``state``) as step ``step``.
         ``blocking=False`` returns once the state is copied and writes in the background, one save at a time."""
+
+    def delay(self, step: int) -> float:
+        """The test hook's sleep in the middle of the save of ``step`` (0 without faults)."""
+        return self.save_delay_s if step >= self.delay_from_step else 0.0
 
     @abstractmethod
     def _join(self) -> None:

@@ -145,5 +145,5 @@ class FileCheckpointer(Checkpointer):
             stale.unlink(missing_ok=True)
         # The manifest's own folder fsync makes both renames durable: one fsync of the folder, not two. Should a
         # crash keep the manifest but not the renamed file, the manifest fails verification and an older one is used.
-        size, digest = save_atomic(path, state, self.save_delay_s, self.on_write, sync_dir=False)
+        size, digest = save_atomic(path, state, self.delay(step), self.on_write, sync_dir=False)
         publish(self.folder, path, step, self.keep, file=path.name, size=size, xxh3_64=digest)

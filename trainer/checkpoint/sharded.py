@@ -99,8 +99,8 @@ class ShardedCheckpointer(Checkpointer):
             save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
 
         self._on_main(prepare, "save")  # the folder exists before any rank writes into it
-        if self.save_delay_s and self.is_main:  # test hook: a kill now leaves a half-written folder
-            time.sleep(self.save_delay_s)
+        if self.delay(step) and self.is_main:  # test hook: a kill now leaves a half-written folder
+            time.sleep(self.delay(step))
         if blocking:
             save(shards, checkpoint_id=str(tmp))
             self._on_main(lambda: self._commit(tmp, final, step), "commit")  # nobody runs ahead of the commit

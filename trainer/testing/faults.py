@@ -23,6 +23,8 @@ class Faults:
     """Behave as if the preemption signal arrived during this process's step N+1 (-1: never)."""
     save_delay_s: float = 0.0
     """Sleep this long in the middle of writing a checkpoint file (a kill then lands mid-save)."""
+    save_delay_from_step: int = 0
+    """Only saves of this step or later sleep (earlier ones commit at once, so a test need not wait them out)."""
     step_delay_s: float = 0.0
     """Sleep this long after every optimizer step (slows a run so signals land mid-training)."""
     oom_at_step: int = -1
