@@ -19,6 +19,8 @@ from trainer.core.env import without_placement
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
 
+pytest_plugins = ["tests.leftovers"]
+
 # The tests' submissions go to a ledger of their own, not the checkout's runs/ledger (a user's list of runs); the
 # jobs they submit inherit it.
 if "TRAINER_LEDGER" not in os.environ:
@@ -121,3 +123,31 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     return procs
+
+
+
+# Module fixtures that cost next to nothing to make once per worker (the others run training or build an image).
+CHEAP_FIXTURES = {"slurm_env", "pkg"}
+
+
+def _module_fixtures(item: pytest.Function) -> set[str]:
+    """The costly module-scoped fixtures a test uses that its own file defines (made once per worker running it)."""
+    path = item.nodeid.split("::")[0]
+    return {name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+            for d in defs if d.scope == "module" and d.baseid == path and name not in CHEAP_FIXTURES}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup``. Every test of the dev cluster runs on one worker, in file order:
+    the cluster's nodes fit one job at a time, and the healing tests drain and blame nodes the others would use (with
+    them, a file's tests that share a module fixture, such as the built image). Other tests sharing a module fixture
+    (a reference run) run on one worker, so it is made once. The rest spread over the workers.
+    """
+    tests = [item for item in items if isinstance(item, pytest.Function)]
+    cluster_files = {t.nodeid.split("::")[0] for t in tests if "slurm_env" in t.fixturenames and _module_fixtures(t)}
+    for t in tests:
+        path = t.nodeid.split("::")[0]
+        if "slurm_env" in t.fixturenames or (path in cluster_files and _module_fixtures(t)):
+            t.add_marker(pytest.mark.xdist_group("dev-cluster"))
+        elif _module_fixtures(t):
+            t.add_marker(pytest.mark.xdist_group(path))

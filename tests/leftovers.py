@@ -1,0 +1,85 @@
+"""Nothing outlives its test: processes a test started, and Slurm jobs a cluster test submitted, end with it.
+
+A test that hangs is stopped by pytest-timeout (pyproject: ``timeout``; the signal method raises in the test, so
+teardown still runs), which names it in the failure and the short summary. Teardown then SIGKILLs the process group of
+every process the test left behind (ranks lead their own groups, as under srun) and ``scancel``s the jobs it queued.
+The pytest process is made a child subreaper, so a rank whose launcher died is reparented here and still found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Not on Linux: orphans go to init and only the direct tree is found.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def descendants(root: int) -> set[int]:
+    """Every live (not zombie) process below ``root``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_trees(pids: set[int]) -> None:
+    """SIGKILL each process and the process group it leads or belongs to (never our own group)."""
+    ours = os.getpgrp()
+    for pid in pids:
+        try:
+            group = os.getpgid(pid)
+            if group != ours:
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def queued_jobs(env: dict[str, str]) -> set[str]:
+    """This user's job ids in squeue (empty when squeue does not answer)."""
+    try:
+        out = subprocess.run(["squeue", "--me", "-h", "-o", "%A"], env=env, capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return set(out.split())
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = descendants(os.getpid())
+    slurm = request.getfixturevalue("slurm_env") if "slurm_env" in request.fixturenames else None
+    jobs = queued_jobs(slurm) if slurm is not None else set()
+    yield
+    if slurm is not None:
+        left = sorted(queued_jobs(slurm) - jobs)
+        if left:
+            subprocess.run(["scancel", *left], env=slurm, capture_output=True, timeout=30)
+    kill_trees(descendants(os.getpid()) - before)
