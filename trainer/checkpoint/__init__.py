@@ -13,14 +13,17 @@ if TYPE_CHECKING:
     from trainer.checkpoint.base import Checkpointer
 
 
-def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0,
+def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
                       on_write: Callable[[], None] | None = None, model: nn.Module | None = None) -> Checkpointer:
     """The sharded (DCP) checkpointer for ``model``'s shards, else the single-file one (``on_write``: a sign of life
-    for the hang watchdog while rank 0 writes)."""
+    for the hang watchdog while rank 0 writes; ``save_delay``: the test hook's sleep in saves from a step on)."""
     if sharded:
         from trainer.checkpoint.sharded import ShardedCheckpointer
 
-        return ShardedCheckpointer(folder, is_main, keep, save_delay_s, model)
-    from trainer.checkpoint.file import FileCheckpointer
+        checkpointer: Checkpointer = ShardedCheckpointer(folder, is_main, keep, save_delay[0], model)
+    else:
+        from trainer.checkpoint.file import FileCheckpointer
 
-    return FileCheckpointer(folder, is_main, keep, save_delay_s, on_write)
+        checkpointer = FileCheckpointer(folder, is_main, keep, save_delay[0], on_write)
+    checkpointer.delay_from_step = save_delay[1]
+    return checkpointer

@@ -164,13 +164,10 @@ class Session:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device inside DDP, or with ``dist.strategy=fsdp`` sharded in place with FSDP2
-        (blocks from ``model.fsdp_blocks()`` or found; returned as is); one process gets it unwrapped. Create the
-        optimizer after this."""
+        (blocks from ``model.fsdp_blocks()`` or found; returned as is); unwrapped in one process. Optimizer after."""
         self.model = model.to(self.device)
-        if self.env.world_size == 1:
-            # Nothing to reduce or shard across one process (checkpoints keep their format). DDP would only add its
-            # start-up: its constructor imports torch._dynamo, 1-3 s of CPU.
-            return self.model
+        if self.env.world_size == 1:  # nothing to reduce or shard; DDP's constructor alone imports torch._dynamo (1-3 s)
+            return self.model  # (checkpoints keep their format)
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
         return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -232,9 +229,8 @@ class Session:
         self._tracker.start({**self.config_dict, **self.extra_config}, run_id)
         self.events = EventLog(self.run.path if self.env.is_main else None)
         checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
-                                         self.cfg.checkpoint.keep, self.faults.save_delay_s,
+                                         self.cfg.checkpoint.keep, (self.faults.save_delay_s, self.faults.save_delay_from_step),
                                          on_write=self._heartbeat.alive, model=self.model)
-        checkpointer.delay_from_step = self.faults.save_delay_from_step
         policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
                              self.job.mtbf_hours, self.faults.end_in_s)
         self._saves = Saves(checkpointer, policy, self._heartbeat,
