@@ -16,10 +16,12 @@ import pytest
 
 from trainer.core.env import without_placement
 
+from .xdist_groups import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
 
-pytest_plugins = ["tests.leftovers"]
+pytest_plugins = ["tests.leftovers", "tests.xdist_groups"]
 
 # The tests' submissions go to a ledger of their own, not the checkout's runs/ledger (a user's list of runs); the
 # jobs they submit inherit it.
@@ -138,16 +140,18 @@ def _module_fixtures(item: pytest.Function) -> set[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup``. Every test of the dev cluster runs on one worker, in file order:
+    """Groups for pytest-xdist (tests/xdist_groups.py). Every test of the dev cluster runs on one worker, in file order:
     the cluster's nodes fit one job at a time, and the healing tests drain and blame nodes the others would use (with
     them, a file's tests that share a module fixture, such as the built image). Other tests sharing a module fixture
     (a reference run) run on one worker, so it is made once. The rest spread over the workers.
     """
     tests = [item for item in items if isinstance(item, pytest.Function)]
     cluster_files = {t.nodeid.split("::")[0] for t in tests if "slurm_env" in t.fixturenames and _module_fixtures(t)}
+    groups = {}
     for t in tests:
         path = t.nodeid.split("::")[0]
         if "slurm_env" in t.fixturenames or (path in cluster_files and _module_fixtures(t)):
-            t.add_marker(pytest.mark.xdist_group("dev-cluster"))
+            groups[t.nodeid] = "dev-cluster"
         elif _module_fixtures(t):
-            t.add_marker(pytest.mark.xdist_group(path))
+            groups[t.nodeid] = path
+    publish(groups)
