@@ -16,8 +16,6 @@ import pytest
 
 from trainer.core.env import without_placement
 
-from .xdist_groups import publish
-
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
 
@@ -147,6 +145,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     tests = [item for item in items if isinstance(item, pytest.Function)]
     cluster_files = {t.nodeid.split("::")[0] for t in tests if "slurm_env" in t.fixturenames and _module_fixtures(t)}
+    from .xdist_groups import publish  # here: imported before pytest registers it, it would miss assert rewriting
+
     groups = {}
     for t in tests:
         path = t.nodeid.split("::")[0]
