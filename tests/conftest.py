@@ -125,7 +125,6 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
     return procs
 
 
-
 # Module fixtures that cost next to nothing to make once per worker (the others run training or build an image).
 CHEAP_FIXTURES = {"slurm_env", "pkg"}
 
@@ -143,15 +142,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     them, a file's tests that share a module fixture, such as the built image). Other tests sharing a module fixture
     (a reference run) run on one worker, so it is made once. The rest spread over the workers.
     """
-    tests = [item for item in items if isinstance(item, pytest.Function)]
-    cluster_files = {t.nodeid.split("::")[0] for t in tests if "slurm_env" in t.fixturenames and _module_fixtures(t)}
     from .xdist_groups import publish  # here: imported before pytest registers it, it would miss assert rewriting
 
+    tests = [(t, t.nodeid.split("::")[0], _module_fixtures(t)) for t in items if isinstance(t, pytest.Function)]
+    cluster_files = {path for t, path, shared in tests if "slurm_env" in t.fixturenames and shared}
     groups = {}
-    for t in tests:
-        path = t.nodeid.split("::")[0]
-        if "slurm_env" in t.fixturenames or (path in cluster_files and _module_fixtures(t)):
+    for t, path, shared in tests:
+        if "slurm_env" in t.fixturenames or (path in cluster_files and shared):
             groups[t.nodeid] = "dev-cluster"
-        elif _module_fixtures(t):
+        elif shared:
             groups[t.nodeid] = path
     publish(groups)
