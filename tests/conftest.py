@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import warm
 from trainer.core.env import without_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT = Path(__file__).resolve().parent / "audit"
 
 pytest_plugins = ["tests.leftovers", "tests.xdist_groups"]
+if os.environ.get("TRAINER_TEST_CPU") == "1":  # each test's CPU seconds, the costliest listed at the end
+    pytest_plugins.append("tests.cputime")
 
 # The tests' submissions go to a ledger of their own, not the checkout's runs/ledger (a user's list of runs); the
 # jobs they submit inherit it.
@@ -55,13 +62,53 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_trainer(args: list[str], cwd: Path, nproc: int = 1, env: dict[str, str] | None = None,
-                timeout: float = 240, script: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node=nproc -m trainer args`` (or plain ``python -m trainer``; or SCRIPT)."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if nproc > 1 else [sys.executable])
+                timeout: float = 240, script: Path | None = None,
+                torchrun: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m trainer args`` (or SCRIPT) in ``nproc`` processes started the way srun starts them (warm: see
+    tests/warm.py); ``torchrun=True``: under ``torchrun --standalone`` and its agent instead, in new interpreters."""
     target = [str(script)] if script else ["-m", "trainer"]
-    return subprocess.run([*launcher, *target, *args], cwd=cwd, env=clean_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    if torchrun:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", *target, *args], cwd=cwd, env=clean_env(env),
+                              capture_output=True, text=True, timeout=timeout)
+    if nproc == 1:
+        return warm.run([sys.executable, *target, *args], cwd=cwd, env=clean_env(env), capture_output=True,
+                        text=True, timeout=timeout)
+    ranks = spawn_ranks(args, cwd, nproc, env, script=script, split=True)
+    return wait_ranks(ranks, [sys.executable, *target, *args], timeout)
+
+
+def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
+               grace: float = 5.0) -> subprocess.CompletedProcess[str]:
+    """Wait for every rank, reading their streams as they go. Once one fails, the others get ``grace`` seconds to
+    end on their own, then SIGTERM (as torchrun's agent stops a failed group). Returns the ranks' streams in rank
+    order and the first failed rank's exit code (0 when none failed); on a timeout kills them all and raises."""
+    outs: list[tuple[str, str]] = [("", "")] * len(ranks)
+
+    def read(i: int) -> None:
+        outs[i] = ranks[i].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(ranks))]
+    for t in readers:
+        t.start()
+    deadline, stop_at = time.monotonic() + timeout, None
+    while any(t.is_alive() for t in readers):
+        now = time.monotonic()
+        if stop_at is None and any(not t.is_alive() and ranks[i].returncode for i, t in enumerate(readers)):
+            stop_at = now + grace
+        if now > deadline or (stop_at is not None and now > stop_at):
+            for i, t in enumerate(readers):
+                if t.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(ranks[i].pid, signal.SIGKILL if now > deadline else signal.SIGTERM)
+            if now > deadline:
+                for t in readers:
+                    t.join(30)
+                raise subprocess.TimeoutExpired(args, timeout, "".join(o for o, _ in outs))
+            stop_at = deadline
+        time.sleep(0.05)
+    code = next((p.returncode for p in ranks if p.returncode), 0)
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e or "" for _, e in outs))
 
 
 def result_of(run_dir: Path) -> dict[str, Any]:
@@ -107,8 +154,9 @@ def free_port() -> int:
 
 
 def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] | None = None,
-                module: str = "trainer", script: Path | None = None) -> list[subprocess.Popen[str]]:
-    """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between.
+                module: str = "trainer", script: Path | None = None, split: bool = False) -> list[Any]:
+    """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between (warm: see
+    tests/warm.py). Each rank's stderr goes to its stdout unless ``split``.
 
     Each rank leads its own process group, so a test can signal a rank together with its
     DataLoader workers, as Slurm signals every process of a step.
@@ -119,9 +167,9 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
         rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
         target = [str(script)] if script else ["-m", module]
-        procs.append(subprocess.Popen([sys.executable, *target, *args], cwd=cwd, env=clean_env(rank_env),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        procs.append(warm.Popen([sys.executable, *target, *args], cwd=cwd, env=clean_env(rank_env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE if split else subprocess.STDOUT,
+                                text=True, start_new_session=True))
     return procs
 
 

@@ -19,6 +19,12 @@ from pathlib import Path
 import pytest
 
 PR_SET_CHILD_SUBREAPER = 36
+KEPT: set[int] = set()  # long-lived helpers of the whole session (tests/warm.py's server), not a test's leftovers
+
+
+def keep(pid: int) -> None:
+    """Never kill ``pid`` as a leftover (its children still are)."""
+    KEPT.add(pid)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -82,4 +88,4 @@ def _leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         left = sorted(queued_jobs(slurm) - jobs)
         if left:
             subprocess.run(["scancel", *left], env=slurm, capture_output=True, timeout=30)
-    kill_trees(descendants(os.getpid()) - before)
+    kill_trees(descendants(os.getpid()) - before - KEPT)

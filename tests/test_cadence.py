@@ -17,6 +17,7 @@ import torch
 from cluster.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
 from trainer.runtime.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
+from . import warm
 from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
 
@@ -117,7 +118,7 @@ def test_auto_cadence_measures_the_injected_save_cost_and_says_its_interval(tmp_
 
 def test_save_now_saves_at_the_next_poll_and_training_goes_on(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *SMALL, "checkpoint.poll_steps=1", f"run.dir={run}"],
+    proc = warm.Popen([sys.executable, "-m", "trainer", *SMALL, "checkpoint.poll_steps=1", f"run.dir={run}"],
                             cwd=tmp_path, env=clean_env(faults(step_delay_s=0.3)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
@@ -171,7 +172,7 @@ def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_pat
     args = [*SMALL, "checkpoint.cadence=auto", "checkpoint.mtbf_hours=1", "checkpoint.every_steps=2",
             "checkpoint.poll_steps=1", f"run.dir={run}"]
     for killed in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+        proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
                                 env=clean_env(faults(step_delay_s=0.2)), stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         # Killed once this attempt has saved (its own checkpoint event, after those of the attempts before).

@@ -16,6 +16,7 @@ import torch
 from trainer.checkpoint import file as ckpt
 from trainer.checkpoint import layout
 
+from . import warm
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
 RESUME = [*SMALL, "train.epochs=2", "data.synthetic_train_size=512"]  # 2 ranks × batch 32: 8 steps per epoch
@@ -68,7 +69,7 @@ def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, 
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*SMALL, f"run.dir={run}", "checkpoint.every_steps=10"]
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
+    proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
                             env=clean_env(faults(save_delay_s=30, save_delay_from_step=20)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = run / "checkpoints"

@@ -11,6 +11,7 @@ import pytest
 from trainer.core.config import Config, field_docs, help_text, load
 from trainer.core.errors import UserError
 
+from . import warm
 from .conftest import clean_env
 
 
@@ -105,7 +106,7 @@ def test_bad_yaml_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args", [["optim.lr=-1"], ["optim.lrr=1"], ["data.name=cifar10", "data.root=/nowhere"]])
 def test_cli_bad_input_exits_2_with_one_error_and_hint_and_writes_nothing(tmp_path: Path, args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+    proc = warm.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -115,7 +116,7 @@ def test_cli_bad_input_exits_2_with_one_error_and_hint_and_writes_nothing(tmp_pa
 
 
 def test_cli_help_lists_keys(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=tmp_path, env=clean_env(),
+    proc = warm.run([sys.executable, "-m", "trainer", "--help"], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "checkpoint.resume" in proc.stdout
 
@@ -133,7 +134,7 @@ def test_a_batch_script_of_the_previous_version_still_runs_its_injected_keys(tmp
     args = [*SMALL, "train.epochs=20", "checkpoint.signal=SIGUSR1", "train.checksum=true", "checkpoint.poll_steps=1",
             f"run.dir={run}"]
     env = clean_env({"TRAINER_CHECKSUM": "", "TRAINER_FAULTS": "step_delay_s=0.05"})
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
+    proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not (run / "events.jsonl").exists():
@@ -147,7 +148,7 @@ def test_a_batch_script_of_the_previous_version_still_runs_its_injected_keys(tmp
     assert "note: train.checksum is no longer a key" in out and "Traceback" not in out
     assert "signal" not in (run / "config.yaml").read_text() and "checksum" not in (run / "config.yaml").read_text()
     env.pop("TRAINER_FAULTS")
-    done = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
+    done = warm.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(json.loads((run / "result.json").read_text())["param_checksums"]) == 1

@@ -1,4 +1,5 @@
-"""Real DDP: two gloo processes under torchrun, checked through what the trainer writes."""
+"""Real DDP: two gloo processes (the first test under torchrun, the others as srun starts them), checked through what
+the trainer writes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .conftest import AUDIT, SMALL, ok, result_of, run_trainer
 
 def test_two_processes_train_identical_weights_and_learn(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, "train.epochs=2", f"run.dir={run}"], tmp_path, nproc=2))
+    proc = ok(run_trainer([*SMALL, "train.epochs=2", f"run.dir={run}"], tmp_path, nproc=2, torchrun=True))
     result = result_of(run)
     assert result["world_size"] == 2
     c0, c1 = result["param_checksums"]

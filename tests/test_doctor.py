@@ -15,14 +15,15 @@ from trainer.core.env import DistEnv, HostFacts, JobInfo
 from trainer.doctor.checks import FAIL, PASS, SKIP, WARN, Check, check_gpus, container_spec, shared_gpus
 from trainer.doctor.run import describe, main, merge, render, worst_exit
 
+from . import warm
 from .conftest import clean_env, free_port, spawn_ranks
 from .test_slurm import sh, slurm_env  # noqa: F401  (the fixture)
 
 
 def doctor(args: list[str], cwd: Path, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     """``make doctor``'s way: N local ranks started by the doctor itself."""
-    return subprocess.run([sys.executable, "-m", "trainer.doctor", "--local", str(nproc), *args], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=180)
+    return warm.run([sys.executable, "-m", "trainer.doctor", "--local", str(nproc), *args], cwd=cwd, env=clean_env(),
+                    capture_output=True, text=True, timeout=180)
 
 
 def row(out: str, name: str) -> str:
@@ -104,8 +105,8 @@ def test_a_rank_lost_after_setup_fails_every_survivor_without_a_traceback(tmp_pa
         cmd = ["-c", PEER, peer] if rank == 2 else ["-m", "trainer.doctor", f"--timeout={timeout}", f"run.dir={tmp_path}"]
         env = clean_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-        procs.append(subprocess.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        procs.append(warm.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True))
     start = time.monotonic()
     try:
         outs = [p.communicate(timeout=timeout + 60)[0] for p in procs[:2]]  # a hang fails here

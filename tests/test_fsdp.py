@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from trainer.builtin.train import param_checksum
 from trainer.checkpoint import layout
 from trainer.export import consolidated
 
+from . import warm
 from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 
 CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
@@ -137,7 +137,7 @@ def test_a_sharded_checkpoint_resumes_onto_another_number_of_processes(tmp_path:
 def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "model.pt"
     ok(run_trainer([*BUILTIN, f"run.dir={run}"], tmp_path, nproc=2))
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run), str(out)], capture_output=True, text=True,
+    proc = warm.run([sys.executable, "-m", "trainer.export", str(run), str(out)], capture_output=True, text=True,
                           env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     fresh = SmallCNN(1, 10, 28)
@@ -146,7 +146,7 @@ def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: P
     assert param_checksum(fresh) == result_of(run)["param_checksums"][0] == result_of(run)["param_checksums"][1]
     x = torch.randn(4, 1, 28, 28)
     assert fresh(x).shape == (4, 10)
-    bad = subprocess.run([sys.executable, "-m", "trainer.export", str(tmp_path / "nothing"), str(out)],
+    bad = warm.run([sys.executable, "-m", "trainer.export", str(tmp_path / "nothing"), str(out)],
                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path)
     assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
 

@@ -17,7 +17,7 @@ needs_2_gpus = pytest.mark.skipif(gpus < 2, reason=f"needs 2 CUDA GPUs ({gpus} h
 @needs_2_gpus
 def test_nccl_two_processes(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, f"run.dir={run}", "train.device=cuda"], tmp_path, nproc=2))
+    proc = ok(run_trainer([*SMALL, f"run.dir={run}", "train.device=cuda"], tmp_path, nproc=2, torchrun=True))
     assert "via torchrun on cuda" in proc.stdout
     assert len(set(result_of(run)["param_checksums"])) == 1
 

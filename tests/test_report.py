@@ -14,6 +14,7 @@ import pytest
 from trainer.core.events import read
 from trainer.runtime.attempts import attempts, figures
 
+from . import warm
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
 from .test_tracking import run_files
 from .wandb_records import summary
@@ -38,7 +39,7 @@ def three_attempts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args = [*ARGS, f"run.dir={run}"]
     first = run_trainer(args, tmp, env=faults(preempt_at_step=5))
     assert first.returncode == 75, first.stdout + first.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp, env=clean_env(faults(step_delay_s=0.15)),
+    proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp, env=clean_env(faults(step_delay_s=0.15)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while True:  # past a checkpoint of this attempt by 3 steps: those 3 are lost to the kill

@@ -1,0 +1,38 @@
+"""``TRAINER_TEST_CPU=1 make test``: each test's CPU seconds (its own, its processes', and those forked for it by
+tests/warm.py's server), the costliest listed at the end. On 2 cores the suite's wall time follows its CPU time."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests import warm
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system + warm.children_cpu()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_seconds(request: pytest.FixtureRequest) -> Iterator[None]:
+    start = _cpu()
+    yield
+    request.node.user_properties.append(("cpu_s", _cpu() - start))
+
+
+SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    cpu = dict(report.user_properties).get("cpu_s")
+    if report.when == "teardown" and cpu is not None:  # under xdist: the workers' reports, here in the controller
+        SPENT[report.nodeid] = float(cpu)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_sep("=", f"CPU seconds: {sum(SPENT.values()):.0f} in all; the costliest 40")
+    for nodeid, cpu in sorted(SPENT.items(), key=lambda kv: -kv[1])[:40]:
+        terminalreporter.write_line(f"{cpu:7.1f}  {nodeid}")

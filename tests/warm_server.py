@@ -1,0 +1,214 @@
+"""The server behind tests/warm.py: preloads torch once, then forks each requested process and reports how it ended.
+
+``python -m tests.warm_server SOCKET`` (tests/warm.py starts one per pytest process and load-time environment). It
+imports the standard library only until ``serve`` preloads; a forked child leaves ``serve`` with its request and runs
+it at the top of this module, so nothing of the server is on its stack.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "torch.utils.data", "numpy", "omegaconf", "yaml", "xxhash", "hostlist",
+           "tqdm", "matplotlib", "matplotlib.pyplot")
+# Read by the interpreter or by a preloaded library when it loads: a process that sets them differently needs its own.
+LOAD_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH", "CUDA", "MALLOC")
+PER_PROCESS = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+
+def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One request: the three standard-stream fds (SCM_RIGHTS), then a JSON spec up to EOF of its length line."""
+    head, fds, _, _ = socket.recv_fds(conn, 64, 3)
+    size, _, rest = head.partition(b"\n")
+    data = rest
+    while len(data) < int(size):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data), list(fds)
+
+
+def _reap(owners: dict[int, socket.socket], sel: selectors.BaseSelector) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = owners.pop(pid, None)
+        if conn is not None:
+            if any(k.fileobj is conn for k in sel.get_map().values()):
+                sel.unregister(conn)
+            with contextlib.suppress(OSError):  # the test gave up on it
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
+def serve(path: str) -> tuple[dict[str, Any], list[int]]:
+    """Preload, then fork a child per request; returns only in a child, with its request."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # the preloaded objects: a child's collections skip them instead of copying their pages
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        sys.exit("warm: the preload started threads; forking from here could deadlock a child")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    owners: dict[int, socket.socket] = {}
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    print(json.dumps(sys.path[1:]), flush=True)  # ready; and the path a new interpreter would start with
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                spec, fds = _recv_request(conn)
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    sel.close()
+                    for s in (listener, *owners.values(), conn):
+                        s.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    return spec, fds
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                owners[pid] = conn
+                if spec.get("tie"):  # its stand-in (SHIM) is the process its parent knows: dying, it takes the child
+                    sel.register(conn, selectors.EVENT_READ, pid)
+            elif key.fileobj is wake_r:
+                os.read(wake_r, 4096)
+                _reap(owners, sel)
+            else:
+                sel.unregister(key.fileobj)
+                if owners.pop(key.data, None) is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(key.data, signal.SIGKILL)
+
+
+def become(spec: dict[str, Any], fds: list[int]) -> None:
+    """In the forked child: take the request's streams, session, folder, environment and arguments, then run it."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(spec["cwd"])
+    sys.executable = spec["python"]  # the processes it starts with sys.executable are forked warm too (SHIM)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    extra = [p for p in spec["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    argv: list[str] = spec["argv"]
+    if argv[0] == "-m":
+        sys.path[:] = [os.getcwd(), *extra, *spec["base_path"]]
+        sys.argv = ["-m", *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.path[:] = [os.path.dirname(script), *extra, *spec["base_path"]]
+        sys.argv = list(argv)
+        runpy.run_path(script, run_name="__main__")
+
+
+def end(code: Any) -> None:
+    """Exit as the interpreter does (join threads, atexit, collect the child's garbage, flush the streams) but without
+    tearing down the preloaded modules: every reference count that teardown touches copies a shared page (~0.4 s)."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    gc.collect()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if isinstance(code, int) and code < 0:  # died of a signal, as an uncaught KeyboardInterrupt does
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(0 if code is None else int(code) & 0xFF)
+
+
+# ``sys.executable`` in a forked child: a stand-in interpreter (stdlib only, no site: ~15 ms) that has the server fork
+# ``-m module``/``script`` runs, relays signals to the child and ends as it ends; anything else runs the real one.
+SHIM = """#!{python} -IS
+import json, os, signal, socket, sys
+SOCK, PYTHON, BASE, FIXED = {sock!r}, {python!r}, {base!r}, {fixed!r}
+argv = sys.argv[1:]
+plain = argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))
+same = all(os.environ.get(k) == v for k, v in FIXED.items()) and not any(
+    k.startswith({load_time!r}) and k not in FIXED and k not in {per_process!r} for k in os.environ) and not any(
+    os.path.exists(os.path.join(p, "sitecustomize.py")) for p in os.environ.get("PYTHONPATH", "").split(":") if p)
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    conn.connect(SOCK) if plain and same else None
+except OSError:
+    plain = False
+if not (plain and same):
+    os.execv(PYTHON, [PYTHON, *argv])
+spec = json.dumps({{"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "base_path": BASE,
+                   "python": sys.argv[0], "tie": True}}).encode()
+socket.send_fds(conn, [str(len(spec)).encode() + b"\\n" + spec], [0, 1, 2])
+got = b""
+def line():
+    global got
+    while b"\\n" not in got:
+        chunk = conn.recv(64)
+        if not chunk:
+            sys.exit("warm: the server is gone")
+        got += chunk
+    head, _, got = got.partition(b"\\n")
+    return int(head)
+pid = line()
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda s, _: os.kill(pid, s))
+code = line()
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+if __name__ == "__main__":
+    # The parent dies, the server goes with it (PR_SET_PDEATHSIG); its children live on like any orphan.
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+    request = serve(sys.argv[1])
+    code: Any = 0
+    try:
+        become(*request)
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException as exc:
+        tb = exc.__traceback__  # from the first frame of the run itself, as a new interpreter shows it
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        tb = tb or exc.__traceback__
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    end(code)
