@@ -15,7 +15,7 @@ a collection, as usual) modules are not torn down, so an object still referenced
 ``/proc/PID/cmdline`` shows the server's. Variables read before the preload (``PYTHON*`` but ``PYTHONPATH``,
 ``OMP_*``, ``MKL_*``, ``LD_*``, ``TORCH*``, ``CUDA*``) get a server of their own; an interpreter flag, a
 ``sitecustomize`` on ``PYTHONPATH`` and ``TRAINER_TEST_COLD=1`` get a new interpreter. Tests of launchers
-themselves (torchrun, srun, the doctor, the cluster CLI) keep starting new interpreters.
+themselves (torchrun, Slurm jobs, ``trainer.launch``, the cluster CLI) keep starting new interpreters.
 
 ``Popen`` and ``run`` take the arguments of their ``subprocess`` namesakes that the tests use.
 """
@@ -252,7 +252,10 @@ def Popen(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None
     args = [str(a) for a in args]
     server = None if other else _server_for(args, env)
     if server is not None:
-        return WarmProcess(server, args, os.path.abspath(cwd or os.getcwd()), env, stdin, stdout, stderr, text)
+        try:
+            return WarmProcess(server, args, os.path.abspath(cwd or os.getcwd()), env, stdin, stdout, stderr, text)
+        except (OSError, RuntimeError) as exc:  # the server died before it forked: the next call starts another
+            print(f"warm: {exc}; a new interpreter instead", file=sys.stderr)
     return subprocess.Popen(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                             start_new_session=start_new_session, **other)
 

@@ -100,11 +100,11 @@ def serve(path: str) -> tuple[dict[str, Any], list[int]]:
             elif key.fileobj is wake_r:
                 os.read(wake_r, 4096)
                 _reap(owners, sel)
-            else:
+            elif owners.get(key.data) is key.fileobj:  # else reaped (and closed) earlier in this same batch
                 sel.unregister(key.fileobj)
-                if owners.pop(key.data, None) is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(key.data, signal.SIGKILL)
+                del owners[key.data]
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(key.data, signal.SIGKILL)
 
 
 def become(spec: dict[str, Any], fds: list[int]) -> None:

@@ -20,10 +20,7 @@ def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int, sav
     if sharded:
         from trainer.checkpoint.sharded import ShardedCheckpointer
 
-        checkpointer: Checkpointer = ShardedCheckpointer(folder, is_main, keep, save_delay[0], model)
-    else:
-        from trainer.checkpoint.file import FileCheckpointer
+        return ShardedCheckpointer(folder, is_main, keep, save_delay, model)
+    from trainer.checkpoint.file import FileCheckpointer
 
-        checkpointer = FileCheckpointer(folder, is_main, keep, save_delay[0], on_write)
-    checkpointer.delay_from_step = save_delay[1]
-    return checkpointer
+    return FileCheckpointer(folder, is_main, keep, save_delay, on_write)

@@ -18,9 +18,9 @@ class Checkpointer(ABC):
     every_rank_writes = False
     """Whether every rank writes its own part of a save (sharded), or rank 0 writes while the others wait."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0) -> None:
-        self.folder, self.is_main, self.keep, self.save_delay_s = folder, is_main, keep, save_delay_s
-        self.delay_from_step = 0  # test hook (faults.save_delay_from_step): earlier saves do not sleep
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0)) -> None:
+        self.folder, self.is_main, self.keep = folder, is_main, keep
+        self.save_delay = save_delay  # test hook (faults.save_delay_s, save_delay_from_step): seconds, from which step
         self.last_path: Path | None = None
         self._error: BaseException | None = None
 
@@ -33,7 +33,8 @@ class Checkpointer(ABC):
 
     def delay(self, step: int) -> float:
         """The test hook's sleep in the middle of the save of ``step`` (0 without faults)."""
-        return self.save_delay_s if step >= self.delay_from_step else 0.0
+        seconds, from_step = self.save_delay
+        return seconds if step >= from_step else 0.0
 
     @abstractmethod
     def _join(self) -> None:

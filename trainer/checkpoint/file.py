@@ -99,9 +99,9 @@ class _Staging:
 class FileCheckpointer(Checkpointer):
     """One ``step_<N>.pt`` file per checkpoint: rank 0 writes it (the other ranks' state gathered to it)."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0,
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
                  on_write: Callable[[], None] | None = None) -> None:
-        super().__init__(folder, is_main, keep, save_delay_s)
+        super().__init__(folder, is_main, keep, save_delay)
         self.on_write = on_write
         self._thread: threading.Thread | None = None
         self._staging = _Staging()

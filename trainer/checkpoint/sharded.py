@@ -69,9 +69,9 @@ class ShardedCheckpointer(Checkpointer):
 
     every_rank_writes = True
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay_s: float = 0.0,
+    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
                  model: nn.Module | None = None) -> None:
-        super().__init__(folder, is_main, keep, save_delay_s)
+        super().__init__(folder, is_main, keep, save_delay)
         self.model = model
         self.group: Any = None
         """A gloo group of its own for background saves, so they never share a communicator with training."""
@@ -99,8 +99,9 @@ class ShardedCheckpointer(Checkpointer):
             save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
 
         self._on_main(prepare, "save")  # the folder exists before any rank writes into it
-        if self.delay(step) and self.is_main:  # test hook: a kill now leaves a half-written folder
-            time.sleep(self.delay(step))
+        pause = self.delay(step)
+        if pause and self.is_main:  # test hook: a kill now leaves a half-written folder
+            time.sleep(pause)
         if blocking:
             save(shards, checkpoint_id=str(tmp))
             self._on_main(lambda: self._commit(tmp, final, step), "commit")  # nobody runs ahead of the commit
