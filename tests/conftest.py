@@ -82,20 +82,26 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
                grace: float = 5.0) -> subprocess.CompletedProcess[str]:
     """Wait for every rank, reading their streams as they go. Once one fails, the others get ``grace`` seconds to
     end on their own, then SIGTERM (as torchrun's agent stops a failed group). Returns the ranks' streams in rank
-    order and the first failed rank's exit code (0 when none failed); on a timeout kills them all and raises."""
+    order and the exit code of the rank that failed first (0 when none failed); on a timeout kills them all and
+    raises TimeoutExpired."""
     outs: list[tuple[str, str]] = [("", "")] * len(ranks)
+    errors: list[BaseException] = []
 
     def read(i: int) -> None:
-        outs[i] = ranks[i].communicate()
+        try:
+            outs[i] = ranks[i].communicate()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            errors.append(exc)
 
     readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(ranks))]
     for t in readers:
         t.start()
-    deadline, stop_at = time.monotonic() + timeout, None
+    deadline, stop_at, first = time.monotonic() + timeout, None, None
     while any(t.is_alive() for t in readers):
         now = time.monotonic()
-        if stop_at is None and any(not t.is_alive() and ranks[i].returncode for i, t in enumerate(readers)):
-            stop_at = now + grace
+        if first is None:
+            first = next((i for i, t in enumerate(readers) if not t.is_alive() and ranks[i].returncode), None)
+            stop_at = None if first is None else now + grace
         if now > deadline or (stop_at is not None and now > stop_at):
             for i, t in enumerate(readers):
                 if t.is_alive():
@@ -107,7 +113,13 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
                 raise subprocess.TimeoutExpired(args, timeout, "".join(o for o, _ in outs))
             stop_at = deadline
         time.sleep(0.05)
-    code = next((p.returncode for p in ranks if p.returncode), 0)
+    if errors:
+        raise errors[0]
+    codes = [p.returncode for p in ranks]
+    assert None not in codes, codes
+    if first is None:
+        first = next((i for i, c in enumerate(codes) if c), None)
+    code = 0 if first is None else codes[first]
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e or "" for _, e in outs))
 
 

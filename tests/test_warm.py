@@ -18,6 +18,9 @@ SCRIPTS = {
     "exit code": "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)",
     "exit message": "import sys; sys.exit('bad thing')",
     "traceback": "raise ValueError('boom')",
+    "exit -1": "import sys; sys.exit(-1)",
+    "exit 2.5": "import atexit, sys; atexit.register(lambda: print('after')); sys.exit(2.5)",
+    "keyboard interrupt": "raise KeyboardInterrupt",
     "killed by a signal": "import os, signal; print('x', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
     "argv, folder, path, env": "import os, sys; print(sys.argv[1:], os.getcwd(), sys.path[:2], os.environ['MARK'])",
     "atexit and threads": ("import atexit, threading, time\natexit.register(lambda: print('atexit'))\n"
@@ -82,3 +85,21 @@ def test_what_a_fork_cannot_give_gets_a_new_interpreter(tmp_path: Path) -> None:
                           stderr=subprocess.DEVNULL)
         assert isinstance(proc, subprocess.Popen), argv
         proc.wait()
+
+
+def test_a_timeout_kills_its_session_and_keeps_what_was_read(tmp_path: Path) -> None:
+    """A descendant holding the output pipe does not keep ``run`` waiting past its timeout."""
+    script = tmp_path / "holds.py"
+    script.write_text("import subprocess, sys, time\nprint('begun', flush=True)\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                 timeout=3)
+    assert time.monotonic() - start < 15
+    proc = warm.Popen([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, text=True)
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        proc.communicate(timeout=3)
+    assert expired.value.output == "begun\n"
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.communicate(timeout=30)[0] == "begun\n" and proc.returncode == -signal.SIGKILL

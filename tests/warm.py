@@ -144,6 +144,8 @@ class WarmProcess:
             os.close(fd)
         self._buffer = b""
         self._outputs: tuple[Any, Any] | None = None
+        self._chunks: dict[int, list[bytes]] = {}
+        self._done: set[int] = set()
         self.pid = int(self._line(None))
 
     @staticmethod
@@ -182,45 +184,51 @@ class WarmProcess:
         if self.returncode is None:
             try:
                 self.returncode = int(self._line(timeout))
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
                 raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
             self._conn.close()
         return self.returncode
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
-        """Read stdout and stderr (whichever are pipes) to their end, then wait. Again: the same output."""
+        """Read stdout and stderr (whichever are pipes) to their end, then wait. Again: the same output. On a
+        timeout, what was read so far stays for the next call and is in the TimeoutExpired."""
+        if input is not None:
+            raise ValueError("warm processes take no input: their stdin is /dev/null or a file")
         if self._outputs is not None:
             self.wait(timeout)
             return self._outputs
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = [s for s in (self.stdout, self.stderr) if s is not None]
-        chunks: dict[int, list[bytes]] = {s.fileno(): [] for s in streams}
         sel = selectors.DefaultSelector()
         for s in streams:
-            sel.register(s.fileno(), selectors.EVENT_READ)
+            if s.fileno() not in self._done:
+                sel.register(s.fileno(), selectors.EVENT_READ)
         while sel.get_map():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 sel.close()
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                out, err = self._decoded()
+                raise subprocess.TimeoutExpired(self.args, timeout or 0, out, err)
             for key, _ in sel.select(left):
                 data = os.read(key.fd, 1 << 16)
                 if data:
-                    chunks[key.fd].append(data)
+                    self._chunks.setdefault(key.fd, []).append(data)
                 else:
                     sel.unregister(key.fd)
+                    self._done.add(key.fd)
         sel.close()
-        outs = []
-        for s in (self.stdout, self.stderr):
-            if s is None:
-                outs.append(None)
-                continue
-            data = b"".join(chunks[s.fileno()])
-            outs.append(data.decode("utf-8", "replace") if isinstance(s, io.TextIOBase) else data)
+        self._outputs = self._decoded()
+        for s in streams:
             s.close()
-        self._outputs = (outs[0], outs[1])
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._outputs
+
+    def _decoded(self) -> tuple[Any, Any]:
+        outs = []
+        for s in (self.stdout, self.stderr):
+            data = b"".join(self._chunks.get(s.fileno(), [])) if s is not None and not s.closed else None
+            outs.append(data.decode("utf-8", "replace") if isinstance(s, io.TextIOBase) and data is not None else data)
+        return outs[0], outs[1]
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -250,7 +258,9 @@ def Popen(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None
     (the child always leads its own session, as with ``start_new_session=True``)."""
     env = dict(os.environ if env is None else env)
     args = [str(a) for a in args]
-    server = None if other else _server_for(args, env)
+    plain = all(h is None or h in (subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT) or hasattr(h, "fileno")
+                for h in (stdout, stderr)) and (stdin is None or stdin == subprocess.DEVNULL or hasattr(stdin, "fileno"))
+    server = None if other or not plain else _server_for(args, env)
     if server is not None:
         try:
             return WarmProcess(server, args, os.path.abspath(cwd or os.getcwd()), env, stdin, stdout, stderr, text)
@@ -268,7 +278,11 @@ def run(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # Its whole session: a descendant still holding the pipes must not keep the test waiting. Then wait, not
+        # read on, as subprocess.run does.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.kill()
-        proc.communicate()
+        proc.wait()
         raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)

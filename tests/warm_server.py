@@ -25,12 +25,18 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "
            "torch.distributed.checkpoint", "torch.utils.data", "numpy", "omegaconf", "yaml", "xxhash", "hostlist",
            "tqdm", "matplotlib", "matplotlib.pyplot")
 # Read by the interpreter or by a preloaded library when it loads: a process that sets them differently needs its own.
-LOAD_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH", "CUDA", "MALLOC")
+LOAD_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA", "TRITON", "MALLOC", "MPL",
+             "LANG", "LC_")
 PER_PROCESS = {"PYTHONPATH", "PYTHONUNBUFFERED"}
 
 def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One request: the three standard-stream fds (SCM_RIGHTS), then a JSON spec up to EOF of its length line."""
-    head, fds, _, _ = socket.recv_fds(conn, 64, 3)
+    head, got, _, _ = socket.recv_fds(conn, 64, 3)
+    fds = list(got)
+    if len(fds) != 3 or b"\n" not in head:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("half a request")
     size, _, rest = head.partition(b"\n")
     data = rest
     while len(data) < int(size):
@@ -38,7 +44,12 @@ def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not chunk:
             break
         data += chunk
-    return json.loads(data), list(fds)
+    try:
+        return json.loads(data), fds
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _reap(owners: dict[int, socket.socket], sel: selectors.BaseSelector) -> None:
@@ -81,30 +92,60 @@ def serve(path: str) -> tuple[dict[str, Any], list[int]]:
         for key, _ in sel.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                spec, fds = _recv_request(conn)
-                pid = os.fork()
-                if pid == 0:
+                request = _fork(conn, owners, sel)
+                if request is not None:  # in the child
                     signal.set_wakeup_fd(-1)
                     sel.close()
                     for s in (listener, *owners.values(), conn):
                         s.close()
                     os.close(wake_r)
                     os.close(wake_w)
-                    return spec, fds
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
-                owners[pid] = conn
-                if spec.get("tie"):  # its stand-in (SHIM) is the process its parent knows: dying, it takes the child
-                    sel.register(conn, selectors.EVENT_READ, pid)
+                    return request
             elif key.fileobj is wake_r:
                 os.read(wake_r, 4096)
                 _reap(owners, sel)
             elif owners.get(key.data) is key.fileobj:  # else reaped (and closed) earlier in this same batch
                 sel.unregister(key.fileobj)
                 del owners[key.data]
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(key.data, signal.SIGKILL)
+                key.fileobj.close()
+                _kill(key.data)
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL a child and its session's group (the group exists once the child has called setsid)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
+def _fork(conn: socket.socket, owners: dict[int, socket.socket],
+          sel: selectors.BaseSelector) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork for one request. Returns the request in the child; None in the server, whatever the client did (a client
+    that died or sent half a request costs its own run, never the server and the other runs)."""
+    fds: list[int] = []
+    try:
+        conn.settimeout(5)
+        spec, fds = _recv_request(conn)
+    except (OSError, ValueError):
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:
+        return spec, fds
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(f"{pid}\n".encode())
+    except OSError:  # gone already: so is the process its parent knew
+        conn.close()
+        _kill(pid)
+        return None
+    owners[pid] = conn
+    if spec.get("tie"):  # its stand-in (SHIM) is the process its parent knows: dying, it takes the child
+        sel.register(conn, selectors.EVENT_READ, pid)
+    return None
 
 
 def become(spec: dict[str, Any], fds: list[int]) -> None:
@@ -134,22 +175,30 @@ def become(spec: dict[str, Any], fds: list[int]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def end(code: Any) -> None:
+def exit_code(code: object) -> int:
+    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int its low byte, anything else
+    printed (now, before threads and atexit, as the interpreter does) and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def end(code: int, interrupted: bool = False) -> None:
     """Exit as the interpreter does (join threads, atexit, collect the child's garbage, flush the streams) but without
     tearing down the preloaded modules: every reference count that teardown touches copies a shared page (~0.4 s)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     gc.collect()
-    if isinstance(code, str):
-        print(code, file=sys.stderr)
-        code = 1
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if isinstance(code, int) and code < 0:  # died of a signal, as an uncaught KeyboardInterrupt does
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(0 if code is None else int(code) & 0xFF)
+    if interrupted:  # an uncaught KeyboardInterrupt: the interpreter dies of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
 
 
 # ``sys.executable`` in a forked child: a stand-in interpreter (stdlib only, no site: ~15 ms) that has the server fork
@@ -161,7 +210,8 @@ argv = sys.argv[1:]
 plain = argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))
 same = all(os.environ.get(k) == v for k, v in FIXED.items()) and not any(
     k.startswith({load_time!r}) and k not in FIXED and k not in {per_process!r} for k in os.environ) and not any(
-    os.path.exists(os.path.join(p, "sitecustomize.py")) for p in os.environ.get("PYTHONPATH", "").split(":") if p)
+    os.path.exists(os.path.join(p, n)) for p in os.environ.get("PYTHONPATH", "").split(":") if p
+    for n in ("sitecustomize.py", "usercustomize.py"))
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
     conn.connect(SOCK) if plain and same else None
@@ -182,9 +232,14 @@ def line():
         got += chunk
     head, _, got = got.partition(b"\\n")
     return int(head)
-pid = line()
+pid, early = 0, []
+def relay(s, _):
+    os.kill(pid, s) if pid else early.append(s)
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(sig, lambda s, _: os.kill(pid, s))
+    signal.signal(sig, relay)
+pid = line()
+for s in early:
+    os.kill(pid, s)
 code = line()
 if code < 0:
     signal.signal(-code, signal.SIG_DFL)
@@ -199,16 +254,16 @@ if __name__ == "__main__":
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
     request = serve(sys.argv[1])
-    code: Any = 0
+    code, interrupted = 0, False
     try:
         become(*request)
     except SystemExit as exc:
-        code = exc.code
+        code = exit_code(exc.code)
     except BaseException as exc:
         tb = exc.__traceback__  # from the first frame of the run itself, as a new interpreter shows it
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
             tb = tb.tb_next
         tb = tb or exc.__traceback__
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-    end(code)
+        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
+    end(code, interrupted)
