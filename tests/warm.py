@@ -10,8 +10,10 @@ What a test gets is still a real process running the real, unmodified code with 
 pid (signals, ``killpg``, SIGKILL faults reach it), its own session (as ``start_new_session`` gives), the environment,
 folder, ``sys.argv``, ``sys.path`` (``PYTHONPATH`` too) and standard streams it asked for, and its exit status
 (negative for a signal, as ``subprocess`` reports it). What differs from a new interpreter: the preloaded modules are
-already imported; the hash seed is the server's; ``sys.executable`` is the stand-in; at exit (after threads, atexit and
-a collection, as usual) modules are not torn down, so an object still referenced then is not finalized; and
+already imported; the hash seed and the global state of ``random`` and numpy are the server's (the runs seed
+their own generators); ``sys.executable`` is the stand-in; at exit (after threads, atexit and
+a collection, as usual) modules are not torn down, so an object still referenced then is not finalized (nor can
+a crash in that teardown show); a missing script or module is a traceback, not one line; and
 ``/proc/PID/cmdline`` shows the server's. Variables read before the preload (``PYTHON*`` but ``PYTHONPATH``,
 ``OMP_*``, ``MKL_*``, ``LD_*``, ``TORCH*``, ``CUDA*``) get a server of their own; an interpreter flag, a
 ``sitecustomize`` on ``PYTHONPATH`` and ``TRAINER_TEST_COLD=1`` get a new interpreter. Tests of launchers
