@@ -99,7 +99,7 @@ def _server_for(argv: list[str], env: dict[str, str]) -> _Server | None:
     key = _load_time(env)
     server = _servers.get(key)
     if server is not None and server.proc.poll() is not None:
-        server = _servers.pop(key)  # died: start another
+        del _servers[key]  # died: start another
     if key not in _servers and len(_servers) < MAX_SERVERS:
         try:
             _servers[key] = _Server(key)
@@ -111,12 +111,12 @@ def _server_for(argv: list[str], env: dict[str, str]) -> _Server | None:
 def children_cpu() -> float:
     """CPU seconds of the processes this pytest process's servers have forked and reaped so far."""
     total = 0.0
-    for server in _servers.values():
+    for server in filter(None, _servers.values()):
         try:
-            fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split() if server else []
+            fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime + cstime
     return total
 
 
@@ -140,15 +140,30 @@ class WarmProcess:
         spec = json.dumps({"argv": args[1:], "cwd": cwd, "env": env, "base_path": server.base_path,
                            "python": server.shim}).encode()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(server.path)
-        socket.send_fds(self._conn, [f"{len(spec)}\n".encode() + spec], [child_in, child_out, child_err])
-        for fd in ends:
-            os.close(fd)
+        try:
+            self._conn.connect(server.path)
+            socket.send_fds(self._conn, [f"{len(spec)}\n".encode() + spec], [child_in, child_out, child_err])
+        except OSError:  # nothing started: close what was opened for it
+            self._close()
+            raise
+        finally:
+            for fd in ends:
+                os.close(fd)
         self._buffer = b""
         self._outputs: tuple[Any, Any] | None = None
         self._chunks: dict[int, list[bytes]] = {}
         self._done: set[int] = set()
-        self.pid = int(self._line(None))
+        try:
+            self.pid = int(self._line(None))
+        except (OSError, RuntimeError):
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        """Close our ends of its pipes and its connection (the process, if any, is not touched)."""
+        for s in (self.stdout, self.stderr, self._conn):
+            if s is not None:
+                s.close()
 
     @staticmethod
     def _stream(how: Any, default: int, text: bool, ends: list[int]) -> tuple[int, IO[Any] | None]:
@@ -286,5 +301,8 @@ def run(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, 
             os.killpg(proc.pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
         raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)

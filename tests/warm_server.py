@@ -29,6 +29,7 @@ LOAD_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "LD_", "TORCH", "PYTO
              "LANG", "LC_")
 PER_PROCESS = {"PYTHONPATH", "PYTHONUNBUFFERED"}
 
+
 def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One request: the three standard-stream fds (SCM_RIGHTS), then a JSON spec up to EOF of its length line."""
     head, got, _, _ = socket.recv_fds(conn, 64, 3)
