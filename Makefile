@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-NPROC ?= 2
+# Local processes for train and doctor: one per GPU, else 2 on the CPU.
+NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
 ARGS ?=
 
 CLUSTER ?= dev

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import cadence
+from benchmarks import cadence, gpu
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, clean_env, each, machine, pairs, show, spread, trainer_run
-from benchmarks.gpu import dp_vs_ddp, precision_rows
 from benchmarks.sharded import memory_rows, save_pairs
 
 BATCH = 32  # per process, as the trainer's default
@@ -124,14 +123,7 @@ def render(results: dict[str, Any]) -> str:
            "page only.", ""]
     out += scaling_section(results["trainer_and_bare"]) + checkpoint_section(results["checkpoint"])
     out += launch_section(results["trainer_and_bare"], results["cluster"])
-    out += ["", "## 4. GPU only", ""]
-    for key, title in (("dp_vs_ddp", "DataParallel vs DDP"), ("precision", "resnet18 precision and layout")):
-        rows = results[key]
-        if isinstance(rows, dict):
-            out.append(f"- {title}: skipped ({rows['skipped']}).")
-        else:
-            out.append(f"- {title}:")
-            out += [f"  - {json.dumps(r)}" for r in rows]
+    out += [""] + gpu.section(results["gpu"])
     out += sharded_section(results["sharded"])
     if "cadence" in results:
         out += cadence.section(results["cadence"])
@@ -256,8 +248,10 @@ def main() -> int:
         models = (("cnn", 1),) if a.smoke else (("cnn", 5), ("resnet18", 7), ("linear8192", 9))
         results["checkpoint"] = [checkpoint_cost(max(k, repeats), tmp, m) for m, k in models]
         results["cluster"] = {"skipped": "smoke run"} if a.smoke else cluster_overhead(repeats)
-        results["dp_vs_ddp"] = dp_vs_ddp(repeats, size, tmp)
-        results["precision"] = precision_rows(repeats, a.smoke)
+        # Without a GPU, section 4 shows the last GPU machine's figures (python -m benchmarks.gpu), kept in a.out.
+        results["gpu"] = gpu.measure(repeats, size, tmp, a.out) if torch.cuda.is_available() and not a.smoke else \
+            gpu.stored(a.out)
+        results["precision_smoke"] = gpu.precision_rows(repeats, smoke=True) if a.smoke else None
         dim, layers = (64, 2) if a.smoke else (256, 4)
         results["sharded"] = {"memory": memory_rows(dim, layers), "saves": save_pairs(repeats, dim, layers)}
         results["cadence"] = cadence.simulate()

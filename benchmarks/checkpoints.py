@@ -16,8 +16,8 @@ import torch.distributed as dist
 from benchmarks.common import pairs, spread
 
 
-def _state(model_name: str) -> dict[str, Any]:
-    """A model's and its SGD momentum's state after one step, as a run checkpoints it."""
+def _state(model_name: str, device: str = "cpu") -> dict[str, Any]:
+    """A model's and its SGD momentum's state after one step on ``device``, as a run checkpoints it."""
     from trainer.builtin.models import build_model
     from trainer.core.config import ModelConfig
 
@@ -26,6 +26,7 @@ def _state(model_name: str) -> dict[str, Any]:
         x = torch.randn(2, 8192)
     else:
         model, x = build_model(ModelConfig(name=model_name), 3, 32), torch.randn(2, 3, 32, 32)
+    model, x = model.to(device), x.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(x).sum().backward()
     opt.step()  # momentum buffers exist, as in a real checkpoint
@@ -33,13 +34,14 @@ def _state(model_name: str) -> dict[str, Any]:
             "progress": {"global_step": 1, "epoch": 0, "batches_in_epoch": 1}}
 
 
-def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
-    """Pairs of (raw torch.save + fsync, our synchronous save), then pairs of (synchronous save, asynchronous stall)."""
+def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str, device: str = "cpu") -> dict[str, Any]:
+    """Pairs of (raw torch.save + fsync, our synchronous save), then pairs of (synchronous save, asynchronous stall);
+    the state lives on ``device`` (on a GPU the asynchronous save stages it into pinned host memory first)."""
     from trainer.checkpoint import file as ckpt
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    state = _state(model_name)
+    state = _state(model_name, device)
     counter = itertools.count()
 
     def raw() -> float:
@@ -83,7 +85,7 @@ def checkpoint_cost(n_pairs: int, tmp: Path, model_name: str) -> dict[str, Any]:
     speed = pairs(n_pairs, raw, sync)
     stalls = pairs(n_pairs, sync, stall)
     shutil.rmtree(tmp / "async")
-    return {"model": model_name, "state_mb": size / 2**20, "pairs": n_pairs,
+    return {"model": model_name, "device": device, "state_mb": size / 2**20, "pairs": n_pairs,
             "raw_s": spread([r for r, _ in speed]), "sync_s": spread([s for _, s in speed]),
             "speed_vs_raw": spread([r / s for r, s in speed]),
             "async_stall_s": spread([st for _, st in stalls]),

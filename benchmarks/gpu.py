@@ -1,18 +1,27 @@
-"""GPU-only rows: resnet18 precision and layout variants, and DataParallel vs DDP with per-GPU memory.
+"""GPU-only rows: resnet18 precision and layout variants, the trainer against the bare loop on one GPU, checkpoint
+cost of a GPU-resident state, and DataParallel vs DDP with per-GPU memory.
 
-Both skip without a GPU (the smoke run exercises the precision code on the CPU at a tiny size).
+Each skips without a GPU (the smoke run exercises the precision code on the CPU at a tiny size). On a machine with a
+GPU, `python -m benchmarks.gpu` measures this section alone: it writes docs/benchmarks-gpu.json and puts the section
+into docs/benchmarks.md, where a later `make bench` on a machine without a GPU keeps showing it.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import json
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import trainer_run
+from benchmarks.checkpoints import checkpoint_cost
+from benchmarks.common import ROOT, bare_run, each, machine, pairs, show, spread, trainer_run
 
 
 def precision_rows(repeats: int, smoke: bool) -> list[dict[str, Any]] | dict[str, str]:
@@ -92,3 +101,131 @@ def torchvision_resnet() -> torch.nn.Module:
     import torchvision
 
     return torchvision.models.resnet18(num_classes=10)
+
+
+def trainer_vs_bare(repeats: int, size: int, tmp: Path) -> dict[str, Any]:
+    """GPU only: the trainer against the tutorials' loop in one process on one GPU, as interleaved pairs."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU on this machine"}
+    rows = []
+    for batch in (32, 256):
+        args = [f"data.synthetic_train_size={size}", "train.epochs=1", f"data.batch_size={batch}", "data.num_workers=0"]
+        done = pairs(repeats, functools.partial(trainer_run, 1, args, tmp, "cuda"),
+                     functools.partial(bare_run, 1, batch, size, "cuda"))
+        rows.append({"batch": batch, "trainer_samples_per_s": spread([t["train_samples_per_s"] for t, _ in done]),
+                     "bare_samples_per_s": spread([b["train_samples_per_s"] for _, b in done]),
+                     "trainer_vs_bare": spread([t["train_samples_per_s"] / b["train_samples_per_s"] for t, b in done]),
+                     "launch_s": spread([t["launch_to_first_step_s"] for t, _ in done])})
+    return {"rows": rows}
+
+
+def checkpoints(repeats: int, tmp: Path) -> list[dict[str, Any]] | dict[str, str]:
+    """GPU only: checkpoint cost (section 2's pairs) of a state that lives on the GPU."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU on this machine"}
+    return [checkpoint_cost(max(5, repeats), tmp, m, "cuda") for m in ("resnet18", "linear8192")]
+
+
+def section(r: dict[str, Any] | None) -> list[str]:
+    """Section 4 of docs/benchmarks.md from ``python -m benchmarks.gpu``'s results (None: never measured)."""
+    out = ["## 4. GPU only", ""]
+    if r is None:
+        return out + ["Not measured yet: run `python -m benchmarks.gpu` on a machine with a GPU.", ""]
+    m = r["machine"]
+    out += [f"Measured by `{r['command']}` on {r['date']}: {', '.join(m['gpus']) or 'no GPU'}, {m['cpu']}, "
+            f"{m['cores']} cores; Python {m['python']}, torch {m['torch']}. Figures from this GPU machine compare only "
+            "with each other, not with the CPU sections.", ""]
+    t = r.get("trainer_vs_bare", {"skipped": "not run"})
+    if "skipped" in t:
+        out += [f"- Trainer vs bare loop on one GPU: skipped ({t['skipped']}).", ""]
+    else:
+        out += ["Trainer vs the bare loop (section 1's model and data), one process on one GPU, interleaved pairs:", "",
+                "| batch | trainer samples/s | bare samples/s | trainer / bare | per pair | trainer launch → first step (s) |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {w['batch']} | {w['trainer_samples_per_s']['median']:.0f} | {w['bare_samples_per_s']['median']:.0f} | "
+                f"**{show(w['trainer_vs_bare'])}** | {each(w['trainer_vs_bare'])} | {show(w['launch_s'], '{:.2f}')} |"
+                for w in t["rows"]]
+        out.append("")
+    c = r.get("checkpoint", {"skipped": "not run"})
+    if isinstance(c, dict):
+        out += [f"- Checkpoints of a GPU-resident state: skipped ({c['skipped']}).", ""]
+    else:
+        out += ["Checkpoint cost of a state on the GPU (section 2's pairs; the asynchronous save first copies the state "
+                "into pinned host buffers):", "", "| model | state (MiB) | raw (s) | ours (s) | speed vs raw | "
+                "async stall (s) | stall vs sync | first async stall (s) |", "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {k['model']} | {k['state_mb']:.1f} | {k['raw_s']['median']:.3f} | {k['sync_s']['median']:.3f} | "
+                f"**{show(k['speed_vs_raw'], '{:.0%}')}** | {k['async_stall_s']['median']:.3f} | "
+                f"**{show(k['stall_vs_sync'], '{:.0%}')}** | {k['first_async_stall_s']:.3f} |" for k in c]
+        out.append("")
+    p = r.get("precision", {"skipped": "not run"})
+    if isinstance(p, dict):
+        out += [f"- resnet18 precision and layout: skipped ({p['skipped']}).", ""]
+    else:
+        out += ["resnet18 forward + backward + SGD step, median of the timed steps after 3 warm-up steps "
+                "(compilation included in the warm-up). The variants ran one after another, not as interleaved pairs: "
+                "\"vs fp32\" is a ratio of medians, for orientation only.", "",
+                "| resolution | batch | variant | samples/s | vs fp32 |",
+                "|---|---|---|---|---|"]
+        base = {(x["resolution"], x["batch"]): x["samples_per_s"] for x in p if x["variant"] == "fp32"}
+        out += [f"| {x['resolution']} | {x['batch']} | {x['variant']} | {x['samples_per_s']:.0f} | "
+                f"{x['samples_per_s'] / base[(x['resolution'], x['batch'])]:.2f}× |" for x in p]
+        out.append("")
+    d = r.get("dp_vs_ddp", {"skipped": "not run"})
+    if isinstance(d, dict):
+        out += [f"- DataParallel vs DDP: skipped ({d['skipped']}).", ""]
+    else:
+        out += ["DataParallel vs DDP:", ""] + [f"- {json.dumps(x)}" for x in d] + [""]
+    return out
+
+
+def stored(folder: Path) -> dict[str, Any] | None:
+    """The last GPU measurement kept in ``folder``/benchmarks-gpu.json, if any."""
+    path = folder / "benchmarks-gpu.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def splice(md: Path, lines: list[str]) -> None:
+    """Replace section 4 of an existing docs/benchmarks.md (up to the next section) with ``lines``."""
+    text = md.read_text()
+    start = text.index("## 4. GPU only")
+    end = text.find("\n## ", start + 1)
+    md.write_text(text[:start] + "\n".join(lines) + (text[end:] if end >= 0 else "\n"))
+
+
+def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, Any]:
+    """Every GPU row, each part kept in ``out``/benchmarks-gpu.json as it ends (a run cut short keeps what it measured)."""
+    results: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+                               "command": f"python -m benchmarks.gpu --repeats {repeats}"}
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=tmp) as t:
+        parts = (("precision", lambda: precision_rows(repeats, False)),
+                 ("trainer_vs_bare", lambda: trainer_vs_bare(repeats, size, Path(t))),
+                 ("checkpoint", lambda: checkpoints(repeats, Path(t))),
+                 ("dp_vs_ddp", lambda: dp_vs_ddp(repeats, size, Path(t))))
+        for key, run in parts:
+            started = time.perf_counter()
+            results[key] = run()
+            print(f"{key}: {time.perf_counter() - started:.0f} s", flush=True)
+            (out / "benchmarks-gpu.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Section 4 of docs/benchmarks.md, measured on this machine's GPU.")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs per comparison")
+    parser.add_argument("--train-size", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    a = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: GPU: torch sees no CUDA GPU on this machine\nHINT: run it where torch.cuda.is_available() is true",
+              file=sys.stderr)
+        return 2
+    results = measure(a.repeats, a.train_size, None, a.out)
+    if (a.out / "benchmarks.md").exists():
+        splice(a.out / "benchmarks.md", section(results))
+    print("\n".join(section(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

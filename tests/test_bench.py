@@ -30,3 +30,22 @@ def test_bench_smoke(tmp_path: Path) -> None:
     first = results["cadence"][0]  # the simulated policy: Young/Daly's interval loses less than far-off fixed ones
     assert first["vs_auto"]["1 min"]["median"] > 1 and first["vs_auto"]["60 min"]["median"] > 1
     assert "## 6. Checkpoint cadence under simulated interruptions" in page
+    assert "## 4. GPU only" in page and results["precision_smoke"][0]["samples_per_s"] > 0
+
+
+def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_path: Path) -> None:
+    """docs/benchmarks-gpu.json (from `python -m benchmarks.gpu` on a GPU machine) renders as section 4, and replaces
+    just that section of an existing page."""
+    from benchmarks import gpu
+
+    stored = gpu.stored(ROOT / "docs")
+    assert stored is not None and stored["machine"]["gpus"]
+    lines = gpu.section(stored)
+    assert lines[0] == "## 4. GPU only" and any(stored["machine"]["gpus"][0] in line for line in lines)
+    assert sum(line.startswith("| 32 | ") for line in lines) >= 1  # the one-GPU trainer vs bare row at batch 32
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# B\n\n## 3. x\n\nthree\n## 4. GPU only\n\nold\n\n## 5. y\n\nfive\n")
+    gpu.splice(page, lines)
+    text = page.read_text()
+    assert "old" not in text and "three" in text and text.endswith("## 5. y\n\nfive\n") and lines[2] in text
+    assert gpu.section(None)[2].startswith("Not measured yet")

@@ -123,3 +123,30 @@ def test_port_is_derived_in_a_safe_range_and_differs_between_jobs() -> None:
 @pytest.mark.parametrize(("spec", "node", "expected"), [("4", 0, 4), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("3,1", 1, 1)])
 def test_tasks_per_node(spec: str, node: int, expected: int) -> None:
     assert tasks_per_node(spec, node, "SLURM_TASKS_PER_NODE") == expected
+
+
+@pytest.mark.parametrize(("gpus", "local_rank", "agent", "want", "expected"), [
+    (0, 1, True, "auto", "cpu"),
+    (2, 1, True, "auto", "cuda:1"),
+    (1, 1, False, "auto", "cuda:0"),  # srun with per-task GPU binding: each task sees only its own GPU
+    (1, 1, True, "auto", "LOCAL_RANK"),  # torchrun's 2 processes would share the one GPU: NCCL refuses that
+    (2, 2, False, "cuda", "LOCAL_RANK"),
+    (0, 0, False, "cuda", "train.device"),
+    (4, 1, True, "cpu", "cpu"),
+])
+def test_each_process_gets_a_gpu_of_its_own_or_a_clear_error(monkeypatch: pytest.MonkeyPatch, gpus: int,
+                                                              local_rank: int, agent: bool, want: str,
+                                                              expected: str) -> None:
+    import torch
+
+    from trainer.core.dist import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    env = DistEnv(local_rank, local_rank, 3, 3, 0, 1, "127.0.0.1", 29500, None, "torchrun", agent=agent)
+    if "." in expected or expected.isupper():
+        with pytest.raises(UserError) as err:
+            pick_device(env, want)
+        assert err.value.field == expected and err.value.hint
+    else:
+        assert str(pick_device(env, want)) == expected

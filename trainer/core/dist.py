@@ -27,10 +27,14 @@ def pick_device(env: DistEnv, want: str) -> torch.device:
         raise UserError("train.device", "cuda was asked for but no GPU is visible", "use train.device=cpu or auto")
     if env.local_rank < count:
         return torch.device("cuda", env.local_rank)
-    if count == 1:  # Slurm's --gpus-per-task / gpu binding shows each task only its own GPU
+    # Slurm's --gpus-per-task / gpu binding shows each task only its own GPU. torchrun's processes all see the same
+    # GPUs, so there a local rank past the last one would share a GPU with rank 0, which NCCL refuses.
+    if count == 1 and not env.agent:
         return torch.device("cuda", 0)
-    raise UserError("LOCAL_RANK", f"local rank {env.local_rank} has no GPU: {count} visible",
-                    "start at most one process per GPU on each node (ntasks-per-node = gpus-per-node)")
+    raise UserError("LOCAL_RANK", f"local rank {env.local_rank} has no GPU of its own: {env.local_world_size} "
+                    f"processes on this node, {count} GPU(s) visible",
+                    f"start one process per GPU (make train NPROC={count}, torchrun --nproc-per-node={count}, Slurm: "
+                    "ntasks-per-node = gpus-per-node), or train on the CPU with train.device=cpu")
 
 
 def resolve_master(env: DistEnv) -> str:
@@ -91,7 +95,13 @@ def _join(env: DistEnv, backend: str, timeout: timedelta, device: torch.device) 
             device_id=device if backend == "nccl" else None,
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError: refused, reset, timed out
-        raise _port_error(env, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]) from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "NCCL" in first:  # the rendezvous worked (NCCL starts after it): the GPUs are the cause, not the port
+            raise UserError("dist.backend", f"rank {env.rank}: NCCL could not start on {device}: {first}",
+                            "two processes on one GPU is the usual cause ('invalid usage'): give each task its own "
+                            "GPU (Slurm: --gpus-per-task=1; torchrun: --nproc-per-node ≤ GPUs), `make doctor` names "
+                            "the ranks that share one; NCCL_DEBUG=WARN says more") from None
+        raise _port_error(env, first) from None
 
 
 def _port_error(env: DistEnv, what: str) -> UserError:
