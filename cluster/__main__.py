@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     sd = sub.add_parser("sweep-dashboard", help="optuna-dashboard on a sweep's study, on this machine only")
     sd.add_argument("sweep_dir", nargs="?", help="a folder under sweeps/ (default: the newest)")
     sd.add_argument("--port", type=int, default=8080)
-    sp = sub.add_parser("suspects", help="list the nodes jobs blamed (new jobs exclude them), or clear one")
-    sp.add_argument("--clear", metavar="NODE", help="forget NODE (all: every node)")
+    sp = sub.add_parser("suspects", help="the evidence jobs left against nodes and which nodes new jobs avoid; or clear one")
+    sp.add_argument("--clear", metavar="NODE", help="forget NODE's evidence (all: every node's)")
+    sp.add_argument("--cluster", default="dev", help="the profile whose suspect_after applies (default: dev)")
     sn = sub.add_parser("save-now", help="ask a running job to save a checkpoint at its next poll, and go on")
     sn.add_argument("run_dir", help="the run folder (runs/<job id>)")
     runs_cli.add_parsers(sub)
@@ -70,7 +71,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "save-now":
         return save_now(Path(ns.run_dir))
     if ns.command == "suspects":
-        return suspects.show(Path(suspects.default_path()), ns.clear)
+        return suspects.show(Path(suspects.default_path()), ns.clear, load_profile(ns.cluster).suspect_after)
     bad = [kv for kv in ns.set if "=" not in kv or kv.startswith("=")]
     if bad:
         raise UserError("--set", f"{bad[0]!r} is not KEY=VALUE", "e.g. --set nodes=1")

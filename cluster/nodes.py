@@ -7,9 +7,13 @@ batch shell is still inside KillWait. Stdlib only (the verdict runs with the hos
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "unk", "futr", "boot", "powered", "pow_dn", "npc")
@@ -61,33 +65,71 @@ def excluded(info: dict[str, str]) -> list[str]:
     return [] if value in ("(null)", "") else hostnames(value)
 
 
-def shortfall(info: dict[str, str], avoid: list[str], least: int = 0) -> str | None:
-    """Why a requeue without ``avoid`` (blamed, and excluded already) could never start, or None when it can;
-    ``least``: the fewest nodes of a node range (a running job's NumNodes is what it got)."""
-    need, partition = least or int(info.get("NumNodes", "1").split("-")[0] or 1), info.get("Partition", "")
-    rc, out = _run("sinfo", "-h", "-N", "-p", partition, "-o", "%N %t")
+def states(partition: str | None) -> dict[str, str] | None:
+    """Each node of ``partition`` (None: every partition) with sinfo's short state; None when sinfo cannot say."""
+    rc, out = _run("sinfo", "-h", "-N", *(["-p", partition] if partition else []), "-o", "%N %t")
     if rc:
-        return None  # no view of the partition: let Slurm decide
-    gone = set(avoid)
-    usable = {n for n, state in (line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
-              if n not in gone and not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")}
-    if len(usable) >= need:
         return None
-    return (f"requeueing without {', '.join(sorted(gone))} leaves {len(usable)} usable node(s) in partition "
-            f"{partition} for a job of {need}: failing instead of waiting forever (clear a node with "
-            "`python -m cluster suspects --clear NODE` once it is fixed, and resubmit)")
+    return {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if len(w) >= 2}
 
 
-def requeue(job: str, blamed: list[str], before: list[str]) -> str | None:
-    """Requeue the job, then exclude ``blamed`` with ``before`` (what it excluded already, read beforehand: after the
-    requeue every moment counts, KillWait) from its next start; None when it is requeued (a failed exclusion is only
-    warned about), else why not."""
+def is_usable(state: str) -> bool:
+    """Whether a node in this sinfo state can run a job (not down, drained, failing, unreachable: ``*``)."""
+    return not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")
+
+
+def usable(partition: str | None) -> set[str] | None:
+    """The nodes of ``partition`` a job can start on now; None when sinfo cannot say (then Slurm decides)."""
+    seen = states(partition)
+    return None if seen is None else {n for n, state in seen.items() if is_usable(state)}
+
+
+def shortfall(usable_nodes: set[str] | None, need: int, partition: str) -> str | None:
+    """Why a job of ``need`` nodes could never start in ``partition`` now, even avoiding nothing; None when it can
+    (or sinfo cannot say: then Slurm decides)."""
+    if usable_nodes is None or len(usable_nodes) >= need:
+        return None
+    return (f"partition {partition} has {len(usable_nodes)} usable node(s) for a job of {need}: failing instead of "
+            "waiting forever (resubmit once nodes are back)")
+
+
+def release(job: str, keep: list[str]) -> str | None:
+    """Shrink the running job's allocation to ``keep`` (Slurm's own resize: the other nodes go back to the site);
+    None when done, else why not. Slurm writes its resize scripts into the working folder: a scratch one here."""
+    scratch = tempfile.mkdtemp(prefix="resize-")
+    try:
+        out = subprocess.run(["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"], cwd=scratch,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return None if out.returncode == 0 else (out.stderr or out.stdout).strip()
+
+
+def requeue(job: str, exclude: list[str] | None) -> str | None:
+    """Requeue the job, then set its ExcNodeList to ``exclude`` (None: leave it; empty: clear it, so that nodes
+    excluded before may be used again) for its next start; None when it is requeued (a failed exclusion is only
+    warned about), else why not. Slurm takes ExcNodeList only on a pending job: after the requeue every moment
+    counts (KillWait)."""
     rc, out = _run("scontrol", "requeue", job)
     if rc:
         return f"scontrol requeue {job} failed: {out}"
-    if blamed:
-        nodes = sorted(set(before) | set(blamed))
-        rc, out = _run("scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}")
+    if exclude is not None:
+        rc, out = _run("scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(exclude))}")
         if rc:
-            print(f"warning: requeued, but excluding {','.join(blamed)} failed: {out}", file=sys.stderr)
+            print(f"warning: requeued, but setting ExcNodeList={','.join(exclude)} failed: {out}", file=sys.stderr)
     return None
+
+
+def clean_memory(job: str, hosts: list[str]) -> None:
+    """Remove the job's memory snapshots (trainer/checkpoint/memory.py) on ``hosts``, one task per node; best effort
+    (a node that is gone has lost them anyway): snapshots never outlive the allocation."""
+    if not hosts:
+        return
+    root = os.environ.get("TRAINER_MEMORY_DIR") or "/dev/shm"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["srun", "--overlap", f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
+                        "--ntasks-per-node=1", "--kill-on-bad-exit=0", "bash", "-c",
+                        'rm -rf "$1/trainer-snapshots-$2/$3"-*', "clean", root, str(os.getuid()), job],
+                       capture_output=True, timeout=20)

@@ -76,7 +76,13 @@ class Profile:
     mtbf_hours: float = 24.0
     """Hours between failures of one node, the prior of `checkpoint.cadence=auto` (exported as TRAINER_MTBF_HOURS)."""
     suspect_hours: float = 24.0
-    """How long a blamed node stays on the suspects list that new jobs exclude (`python -m cluster suspects`)."""
+    """How long a blame counts as evidence against a node (`python -m cluster suspects` shows the evidence)."""
+    suspect_after: int = 2
+    """New jobs avoid a node blamed by this many different jobs within suspect_hours (hard evidence, such as a
+    failed doctor check or a device error, at once); fewer blames leave it in use."""
+    storm_after: int = 3
+    """A job stops after this many attempts in a row ended before passing the step they started from (a fault that
+    comes back at once); 0: never."""
     requeue_on_signal: bool = False
     """Commands (CMD=…) that do not save on the warning: stop them shortly before the time limit and requeue the
     job anyway (they start again, from their own checkpoints if they keep any)."""
@@ -100,8 +106,24 @@ class Profile:
 
     @property
     def node_range(self) -> str:
-        """Slurm's --nodes value: ``nodes``, or ``min_nodes-nodes``."""
+        """The nodes an attempt trains on: ``nodes``, or ``min_nodes-nodes``."""
         return f"{self.min_nodes}-{self.nodes}" if 0 < self.min_nodes < self.nodes else str(self.nodes)
+
+    @property
+    def ranged(self) -> bool:
+        """An attempt may train on fewer nodes than ``nodes`` (down to ``min_nodes``)."""
+        return "-" in self.node_range
+
+    @property
+    def allocation(self) -> str:
+        """Slurm's --nodes value: the training nodes and the spares, a range when the job may shrink."""
+        top = self.nodes + self.spare_nodes
+        return f"{self.min_nodes}-{top}" if self.ranged else str(top)
+
+    @property
+    def in_place(self) -> bool:
+        """The batch script restarts inside its allocation after a failure (a spare takes over, or it shrinks)."""
+        return self.spare_nodes > 0 or self.ranged
 
     def world_sizes(self) -> list[int]:
         """Every number of training processes an attempt of this profile may start with."""
@@ -149,12 +171,14 @@ def validate(p: Profile) -> None:
                 "suspect_hours", "spare_nodes", "mtbf_hours"):
         if getattr(p, key) < 0:
             raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
+    if p.suspect_after < 1:
+        raise _err("suspect_after", f"must be >= 1, got {p.suspect_after}: 0 would avoid every node ever blamed",
+                   "suspect_after: 2 (blames from two different jobs), or 1 to avoid a node at its first blame")
+    if p.storm_after < 0:
+        raise _err("storm_after", f"must be >= 0, got {p.storm_after}", "storm_after: 3, or 0 to never stop for it")
     if not 0 <= p.min_nodes <= p.nodes:
         raise _err("min_nodes", f"must be between 0 and nodes={p.nodes}, got {p.min_nodes}",
                    f"e.g. NODES=1-{p.nodes} (min_nodes: 1), or min_nodes: 0 for exactly {p.nodes}")
-    if p.min_nodes and p.spare_nodes:
-        raise _err("min_nodes", "and spare_nodes both answer a lost node (shrink, or start on a spare): pick one",
-                   "min_nodes: 0, or spare_nodes: 0")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):
         raise _err("job_name", f"{p.job_name!r} has characters Slurm and shells treat specially",
                    "use letters, digits, '.', '_' and '-'")

@@ -18,10 +18,10 @@ from trainer.core.errors import UserError
 
 def sbatch_directives(p: Profile) -> list[str]:
     """The ``#SBATCH`` header; site-specific lines carry a ``# SITE`` marker line above them."""
-    ranged = "-" in p.node_range
+    ranged = p.ranged
     lines = [
         f"#SBATCH --job-name={p.job_name}",
-        f"#SBATCH --nodes={p.node_range if ranged else p.nodes + p.spare_nodes}",
+        f"#SBATCH --nodes={p.allocation}",
         # With --ntasks-per-node, Slurm 22.05 starts a node range at its minimum although more nodes are idle
         # (measured on the dev cluster): a range asks for one task per node holding the node's share of cores,
         # and srun places the processes (_srun).
@@ -100,14 +100,13 @@ def flight_recorder(p: Profile, folder: str) -> list[str]:
 
 
 def _srun(p: Profile, python: str) -> tuple[str, str]:
-    """``srun …`` (with the container prefix) and the interpreter each task starts; with spare nodes, on this
-    attempt's nodes (``$step_nodes``, see :func:`spare_loop`)."""
+    """``srun …`` (with the container prefix) and the interpreter each task starts; restarting in place, on this
+    attempt's nodes (``$step_nodes``, see :func:`in_place_loop`)."""
     inside = container_prefix(p)
     tasks = 1 if p.launch == "torchrun" else p.ntasks_per_node
-    place = f' --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * {tasks} ))' if p.spare_nodes else ""
-    if "-" in p.node_range:  # as many nodes as this attempt got (see sbatch_directives)
-        place = (f" --ntasks=$(( SLURM_NNODES * {tasks} )) --ntasks-per-node={tasks}"
-                 f" --cpus-per-task={p.cpus_per_task * p.procs_per_task}")
+    place = f' --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * {tasks} ))' if p.in_place else ""
+    if p.ranged:  # the allocation was asked for without --ntasks-per-node (see sbatch_directives)
+        place += f" --ntasks-per-node={tasks} --cpus-per-task={p.cpus_per_task * p.procs_per_task}"
     # --label: each task's lines carry its number ("1: …"), so `python -m cluster logs --rank 1` finds them.
     srun = f"srun --kill-on-bad-exit=1 --label{place}" + (f" {inside}" if inside else "")
     return srun, "python3" if inside else shlex.quote(python)
@@ -125,10 +124,10 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     # (inherited through exec), the trainers it starts install their own handler.
     ignore = f"bash -c 'trap \"\" {p.signal}; exec \"$@\"' torchrun " if p.signal in ("USR1", "USR2") else ""
     return [
-        'head=${step_nodes%%,*}' if p.spare_nodes else 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head=${step_nodes%%,*}' if p.in_place else 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
         f"{srun} {ignore}{py} -m torch.distributed.run \\",
-        f'    --nnodes="{"$need" if p.spare_nodes else "$SLURM_NNODES"}" --nproc-per-node={p.ntasks_per_node} \\',
+        f'    --nnodes="{"$need" if p.in_place else "$SLURM_NNODES"}" --nproc-per-node={p.ntasks_per_node} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" \\',
         f"    -m {module}{overrides}",
     ]
@@ -144,12 +143,14 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
 
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
     """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
-    ends the job, and its exit code is the job's; with spare nodes it may instead start the next attempt here."""
+    ends the job, and its exit code is the job's; restarting in place it may instead start the next attempt here."""
     verdict = (f"{python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
                f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}"
-               + (f" --min-nodes {p.min_nodes}" if "-" in p.node_range else ""))
-    if p.spare_nodes:
-        verdict = f'next=$({verdict} --need "$need" --avoid "$avoid")'
+               + (f" --suspect-after {p.suspect_after}" if p.suspect_after != 2 else "")
+               + (f" --storm-after {p.storm_after}" if p.storm_after != 3 else "")
+               + (f" --min-nodes {p.min_nodes}" if p.ranged else ""))
+    if p.in_place:
+        verdict = f'next=$({verdict} --in-place --most {p.nodes}{"" if p.ranged else f" --min-nodes {p.nodes}"})'
     # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
     lines = ["trap '' TERM", f"verdict=0; {verdict} || verdict=$?"]
     if p.container.runtime != "none":  # the host's python3 may be missing: the plain rule still requeues a saved run
@@ -159,25 +160,29 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
                   '&& scontrol requeue "$SLURM_JOB_ID" && exit 0',
                   '  exit "$rc"',
                   "fi"]
-    if p.spare_nodes:  # the verdict's last line asks for the next attempt here, without the nodes it names
+    if p.in_place:  # the verdict's last line asks for the next attempt here, without the nodes it names
         lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); '
                      "trap - TERM; continue; fi")
     return [*lines, 'exit "$verdict"']
 
 
-def spare_loop(p: Profile, attempt: list[str]) -> list[str]:
-    """With spare nodes, every attempt runs on ``nodes`` of the allocation's nodes, avoiding those blamed so far."""
+def in_place_loop(p: Profile, attempt: list[str]) -> list[str]:
+    """Restarting in place (spare nodes, a node range), every attempt runs on up to ``nodes`` of the allocation's
+    nodes, avoiding those the verdict names; a node range goes on with fewer, down to ``min_nodes``."""
+    how = (f"on up to {p.nodes} of the allocation's nodes, at least {p.min_nodes}" if p.ranged
+           else f"on {p.nodes} of the allocation's nodes")
     return [
-        f"# Spare nodes (profile spare_nodes: {p.spare_nodes}): each attempt runs on {p.nodes} of the allocation's nodes;",
-        "# after a failure blamed on a node the verdict may start the next one here at once, without that node.",
-        f'need={p.nodes} avoid="" here=0',
+        f"# Restarts in place (spare_nodes: {p.spare_nodes}, nodes: {p.node_range}): each attempt runs {how};",
+        "# after a failure the verdict may start the next one here at once, without the nodes it blames.",
+        'avoid="" here=0',
         "while :; do",
         '  rm -f "$RUN_DIR/requeue.json"  # only this attempt\'s marker may count',
         '  TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}',
         '  if (( here )); then TRAINER_ATTEMPT+=".$here"; fi',
         "  export TRAINER_ATTEMPT",
         '  step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \\',
-        '    | awk -v avoid=",$avoid," \'index(avoid, "," $0 ",") == 0\' | head -n "$need" | paste -sd, -)',
+        f'    | awk -v avoid=",$avoid," \'index(avoid, "," $0 ",") == 0\' | head -n {p.nodes} | paste -sd, -)',
+        "  need=$(( $(tr -cd , <<<\"$step_nodes\" | wc -c) + 1 ))",
         "  job_event job_start",
         '  echo "attempt $TRAINER_ATTEMPT of job $SLURM_JOB_ID starts on $step_nodes" >&2',
         *(f"  {line}" if line else "" for line in attempt),
@@ -213,7 +218,7 @@ def run_dir_lines(default: str, warning: str, grace_s: int, start: bool = True) 
         "# What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.",
         "job_event() {",
         '  printf \'{"t": %s, "event": "%s", "job_id": "%s", "restart": %s, "nodes": %s%s}\\n\' "$(date +%s.%N)" "$1" \\',
-        '    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \\',
+        '    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${need:-${SLURM_JOB_NUM_NODES:-1}}" "${2:-}" \\',
         '    >> "$RUN_DIR/events.jsonl" || true',
         "}",
         *(["job_event job_start",
@@ -255,6 +260,8 @@ def environment(p: Profile) -> list[str]:
         # Slurm 22.05-23.02's srun does not inherit --cpus-per-task from the allocation.
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
         *([f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []),
+        # Restarts inside the allocation can restore from node memory (checkpoint.memory=auto takes snapshots then).
+        *(["export TRAINER_IN_PLACE=1"] if p.in_place else []),
     ]
 
 
@@ -264,7 +271,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
     lines = ["#!/bin/bash", f"# {origin}", *sbatch_directives(p), "set -euo pipefail", "", *environment(p)]
     lines += [
         *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
-                       start=not p.spare_nodes),
+                       start=not p.in_place),
         "# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.",
         f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then {host_python(p, python)} -m cluster.ledger register '
         '"$RUN_DIR" "$@" || true; fi',
@@ -285,4 +292,4 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         launch = command_line(p, python, command)
     rule = requeue_rule(p, host_python(p, python), report=command is not None and p.container.runtime == "none")
     attempt = [*doctor, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *rule]
-    return "\n".join([*lines, *(spare_loop(p, attempt) if p.spare_nodes else attempt)]) + "\n"
+    return "\n".join([*lines, *(in_place_loop(p, attempt) if p.in_place else attempt)]) + "\n"

@@ -121,7 +121,9 @@ def job_state(record: dict[str, Any], slurm: Slurm, events: list[dict[str, Any]]
     job = str(record["job_id"])
     starts = [e for e in events if e.get("event") == "job_start" and str(e.get("job_id")) == job]
     acct = (slurm.accounting or {}).get(job, [])
-    attempts = sum(state != "PENDING" for state, _ in acct) if acct else len(starts)  # sacct lists a pending job too
+    # sacct lists a pending job too, and a job that gave nodes back (RESIZING); restarts inside the allocation are
+    # attempts that only the batch script's job_start events show.
+    attempts = max(sum(state not in ("PENDING", "RESIZING") for state, _ in acct), len(starts))
     live = (slurm.queue or {}).get(job)
     nodes = (live[1] if live and live[1] and not live[1].startswith("(") else "") or (acct[-1][1] if acct else "")
     nodes = "" if nodes in ("None assigned", "(null)") else nodes

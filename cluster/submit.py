@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster import ledger, suspects
+from cluster import ledger, nodes, suspects
 from cluster.command import Command, parse, requeue_after
 from cluster.profile import Profile
 from cluster.render import (
@@ -60,11 +60,11 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
 
     if p.spare_nodes:
         raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
-                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0 (sweeps run through submitit)")
+                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0")
     if p.min_nodes and p.min_nodes < p.nodes:
         raise UserError("profile.min_nodes", f"a node range ({p.node_range}) needs the sbatch launcher: submitit asks "
                         "for a fixed node count and waits for a result from each of its nodes × tasks_per_node tasks",
-                        f"LAUNCHER=sbatch, or NODES={p.nodes} (sweeps run through submitit)")
+                        f"LAUNCHER=sbatch, or NODES={p.nodes}")
     folder = Path(p.log_dir) / "%j"
     inside = container_prefix(p)
     # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
@@ -129,13 +129,40 @@ def submitit_script(p: Profile, args: list[str], command: Command | None = None)
     return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
 
 
-def suspect_nodes() -> list[str]:
-    """The nodes earlier jobs blamed and not yet cleared or expired (cluster/suspects.py), which new jobs exclude."""
-    nodes = suspects.active(Path(suspects.default_path()))
-    if nodes:
-        print(f"excluding suspect node(s) {', '.join(nodes)} (blamed by earlier jobs; `python -m cluster suspects` "
-              "lists them, --clear NODE forgets one)")
-    return nodes
+def suspect_nodes(p: Profile) -> list[str]:
+    """The nodes other jobs' evidence avoids (cluster/suspects.py), which a new job excludes, as long as the
+    partition keeps enough nodes for it; the least suspect are used again otherwise (fail open), said in one line."""
+    ordered = suspects.active(Path(suspects.default_path()), p.suspect_after)
+    if not ordered:
+        return []
+    need = (p.min_nodes if p.ranged else p.nodes) + p.spare_nodes
+    avoid, again = suspects.fail_open(ordered, nodes.usable(p.partition) or set(), need)
+    if avoid:
+        print(f"excluding suspect node(s) {', '.join(avoid)} (`python -m cluster suspects` shows the evidence, "
+              "--clear NODE forgets it)")
+    if again:
+        print(f"using suspect node(s) {', '.join(again)} again: excluding them too would leave fewer than {need} "
+              f"usable node(s) for this job")
+    return avoid
+
+
+def check_fits(p: Profile) -> None:
+    """Refuse a job its partition can never hold: its training nodes and its spares at once (asked sinfo; when
+    sinfo cannot say, Slurm decides)."""
+    seen = nodes.states(p.partition)
+    total = p.nodes + p.spare_nodes
+    if seen is None or total <= len(seen):
+        return
+    where = f"partition {p.partition}" if p.partition else "the cluster"
+    if p.ranged and p.spare_nodes:
+        raise UserError("profile.spare_nodes", f"NODES={p.node_range} with spare_nodes={p.spare_nodes} needs {total} "
+                        f"nodes at once ({p.nodes} to train on, {p.spare_nodes} spare) but {where} has {len(seen)}",
+                        f"NODES={p.node_range} without spare nodes (a lost node then shrinks the job)"
+                        + (f", or NODES={p.min_nodes}-{len(seen) - p.spare_nodes} with the spare"
+                           if len(seen) - p.spare_nodes > p.min_nodes else ""))
+    field = "profile.spare_nodes" if p.spare_nodes else "NODES"
+    raise UserError(field, f"{total} node(s) asked for ({p.nodes} + {p.spare_nodes} spare) but {where} has "
+                    f"{len(seen)}", f"ask for at most {len(seen)} in all, e.g. NODES={min(p.nodes, len(seen))}")
 
 
 def check_slurm() -> None:
@@ -170,6 +197,7 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
             print(f"# each task runs: {task_line(p, args, command)}", file=sys.stderr)
         return 0
     check_slurm()
+    check_fits(p)
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
     entry = {"kind": "job", "name": p.job_name, "launcher": launcher, "profile": p.name, "nodes": p.node_range,
              "args": list(args), "module": module, "command": None if command is None else list(command.argv),
@@ -220,7 +248,7 @@ def tail(path: Path, lines: int = 12) -> str:
 
 def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: bool, entry: dict[str, Any]) -> int:
     script = sbatch_script(p, args, command)
-    avoid = suspect_nodes()
+    avoid = suspect_nodes(p)
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -246,7 +274,7 @@ def _submit_sbatch(p: Profile, args: list[str], command: Command | None, wait: b
 
 def _submit_submitit(p: Profile, args: list[str], command: Command | None, wait: bool, entry: dict[str, Any]) -> int:
     ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
-    avoid = suspect_nodes()
+    avoid = suspect_nodes(p)
     if avoid:
         ex.update_parameters(slurm_exclude=",".join(avoid))
     task: TrainTask | CommandTask = (

@@ -212,7 +212,7 @@ def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record
         if fresh:
             shutil.rmtree(sweep_dir, ignore_errors=True)
         raise _unwritable("write", sweep_dir, exc) from None
-    avoid = suspect_nodes()
+    avoid = suspect_nodes(p)
     cmd = ["sbatch", "--parsable", *([f"--exclude={','.join(avoid)}"] if avoid else [])]
     proc = subprocess.run(cmd, input=_script(p, spec, sweep_dir), capture_output=True, text=True)
     array = proc.stdout.strip().split(";")[0]

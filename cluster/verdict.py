@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster import nodes, suspects
+from cluster import nodes, placement, suspects
 from trainer.core import exits
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EVENTS, read
@@ -52,6 +53,13 @@ class Verdict:
     where: str | None = None
     blame: list[str] = field(default_factory=list)
     step: int | None = None
+    progressed: bool | None = None
+    """Whether the attempt trained past the step it started from (None: unknown)."""
+    start_step: int | None = None
+    """The step the attempt started from (resumed at), when it got that far."""
+    hard: bool = False
+    """The blame is hard evidence (a device error, a failed launch, the doctor, Slurm's own node state): other jobs
+    avoid the node at once, not after blames from several jobs (cluster/suspects.py)."""
 
 
 def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, str, str]]:
@@ -102,7 +110,8 @@ def _first_cause(causes: list[dict[str, Any]], step: int | None) -> Verdict:
     blame = sorted({n for c in infra for n in c.get("blame") or []})
     if first.get("class") == exits.INFRASTRUCTURE and "blame" not in first:
         blame = blame or [first["node"]]
-    return Verdict(first.get("class", exits.USER_ERROR), exits.describe(first), first.get("where"), blame, step)
+    return Verdict(first.get("class", exits.USER_ERROR), exits.describe(first), first.get("where"), blame, step,
+                   hard=any(c.get("hard") for c in infra))
 
 
 def _without_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: int,
@@ -119,7 +128,7 @@ def _without_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str
         ranks = ", ".join(str(r["rank"]) for r in silent if r.get("node") == node)
         who = f"rank {ranks}" if ranks else f"task {tasks}"
         cause = f"{node}: {how}" if tasks == "launch" else f"{who} on {node} was killed (srun: task {tasks}: {how})"
-        return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step)
+        return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step, hard=tasks == "launch")
     if silent:  # no kill in srun's lines (torchrun's agent reports one as exit 1): blame only a single node
         where = sorted({str(r.get("node")) for r in silent})
         return Verdict(exits.INFRASTRUCTURE, f"rank {silent[0]['rank']} on {silent[0].get('node')} ended without a "
@@ -151,6 +160,9 @@ class Limits:
     max_failures: int
     suspects: Path
     suspect_hours: float
+    suspect_after: int = 2
+    storm_after: int = 3
+    """Attempts in a row that end before passing their starting step: then the job stops (0: never)."""
 
 
 DEADLINE = "deadline: saved before the time limit"
@@ -184,10 +196,25 @@ def decide(v: Verdict, before: list[dict[str, Any]], limits: Limits) -> tuple[st
         return "fail", f"preempted, but {done} requeues done (max_requeues={limits.max_requeues})"
     if v.kind != exits.INFRASTRUCTURE:
         return "fail", f"{v.kind.replace('_', ' ')}: not retried"
+    stuck = storm(v, before, limits.storm_after)
+    if stuck:
+        return "fail", stuck
     failures = sum(e.get("class") == exits.INFRASTRUCTURE for e in before)
     if failures >= limits.max_failures:
         return "fail", f"infrastructure failure {failures + 1}, max_failures={limits.max_failures}: not retried"
     return "requeue", f"infrastructure failure {failures + 1} of max_failures={limits.max_failures}: retried"
+
+
+def storm(v: Verdict, before: list[dict[str, Any]], after: int) -> str | None:
+    """Why the job stops restarting: ``after`` attempts in a row, this one included, ended before passing the step
+    they started from (a fault that comes back at once: restarting only burns the allocation); else None."""
+    if not after or v.progressed is not False:
+        return None
+    trail = [e.get("progressed") for e in before[-(after - 1):]] if after > 1 else []
+    if len(trail) < after - 1 or any(p is not False for p in trail):
+        return None
+    return (f"{after} attempts in a row ended before passing their starting step (step {v.start_step}): a failure "
+            "that comes back at once; stopping instead of restarting again (profile storm_after)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,59 +233,103 @@ def main(argv: list[str] | None = None) -> int:
         limit = with_deadline(Verdict(exits.PREEMPTED, ""), Path(ns.run_dir)).cause == DEADLINE  # not counted
         if (ns.rc == EXIT_REQUEUE or marker) and (limit or int(os.environ.get("SLURM_RESTART_COUNT") or 0) < ns.max_requeues):
             print("verdict failed (above): requeueing the saved run by the plain rule", file=sys.stderr)
-            return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), [], []) is None else ns.rc
+            return 0 if nodes.requeue(os.environ.get("SLURM_JOB_ID", "0"), None) is None else ns.rc
         return ns.rc or 1
 
 
 def _verdict(ns: argparse.Namespace) -> int:
     run_dir, env = Path(ns.run_dir), os.environ
     job, restart = env.get("SLURM_JOB_ID", "0"), exits.attempt_id()
-    records = [r for r in exits.records(run_dir / "exits" / exits.attempt_folder()) if r.get("phase") == ns.phase]
     info = nodes.job_fields(job)  # read once: the log, the nodes it excludes already, its size and partition
+    seen = nodes.states(info.get("Partition"))  # read once: hard evidence, and which nodes a requeue could use
+    before = history(run_dir, job)
+    v = _judged(ns, run_dir, job, restart, info, before, seen)
+    limits = Limits(ns.max_requeues, ns.max_failures, Path(ns.suspects), ns.suspect_hours, ns.suspect_after,
+                    ns.storm_after)
+    action, why = decide(v, before, limits)
+    restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.get("cause") == DEADLINE for e in before)
+    if action == "requeue" and v.cause != DEADLINE and restarts >= ns.max_requeues + ns.max_failures:
+        action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
+    if action == "requeue" and v.kind == exits.INFRASTRUCTURE and v.blame:
+        suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)
+    allocation = nodes.hostnames(env.get("SLURM_JOB_NODELIST", ""))
+    shape = placement.Shape(ns.min_nodes or ns.need, ns.most or ns.need, ns.in_place or ns.need > 0)
+    if action == "requeue":
+        # Nodes to avoid, most important first (ExcNodeList last: room permitting, the job keeps avoiding it).
+        order = placement.blame_order(v.blame, [e.get("blamed") or [] for e in before],
+                                      suspects.active(limits.suspects, limits.suspect_after), nodes.excluded(info))
+        inside = placement.here(allocation, order, shape) if v.kind == exits.INFRASTRUCTURE else None
+        if inside is not None:  # the next attempt starts here, at once: the last line tells the batch shell's loop
+            why = f"{why} {inside.describe('the allocation')}{_give_back(job, allocation, inside.release)}"
+            _record(run_dir, ns.phase, restart, job, v, "restart_here", why)
+            print(f"restart-here: {','.join(inside.avoid)}", flush=True)
+            return 0
+        action, why = _requeue(job, info, seen, order, shape.lo if ns.min_nodes else 0, why)
+    if shape.in_place:  # the job ends or starts again elsewhere: no node keeps its snapshots
+        nodes.clean_memory(job, allocation)
+    _record(run_dir, ns.phase, restart, job, v, action, why)
+    return 0 if action == "requeue" else _finish(run_dir, v, action, why, ns.rc)
+
+
+def _give_back(job: str, allocation: list[str], release: list[str]) -> str:
+    """Shrinking: give ``release`` back to Slurm (their memory cleared first); what went wrong, for the log line."""
+    if not release:
+        return ""
+    nodes.clean_memory(job, release)
+    problem = nodes.release(job, [n for n in allocation if n not in release])
+    return f"; {', '.join(release)} could not be given back ({problem})" if problem else ""
+
+
+def _requeue(job: str, info: dict[str, str], seen: dict[str, str] | None, order: list[str], least: int,
+             why: str) -> tuple[str, str]:
+    """Requeue the job avoiding ``order`` as far as the partition allows (``least``: a node range's minimum, else
+    the job's node count); ("requeue" | "fail", why)."""
+    usable = None if seen is None else {n for n, state in seen.items() if nodes.is_usable(state)}
+    need = least or int(info.get("NumNodes", "1").split("-")[0] or 1)
+    partition = info.get("Partition", "?")
+    short = nodes.shortfall(usable, need, partition)
+    if short:
+        return "fail", f"{why}, but {short}"
+    queued = placement.queue(order, usable, need)
+    already = nodes.excluded(info)
+    problem = nodes.requeue(job, queued.avoid if set(queued.avoid) != set(already) else None)
+    return ("fail", problem) if problem else ("requeue", f"{why}: {queued.describe(f'partition {partition}')}")
+
+
+def _judged(ns: argparse.Namespace, run_dir: Path, job: str, restart: str, info: dict[str, str],
+            before: list[dict[str, Any]], seen: dict[str, str] | None) -> Verdict:
+    """This attempt's verdict from its records and srun's lines, with what else is known: a doctor failing on every
+    node (the setup's), the same step failing before on other nodes (the code's), a save for the time limit, hard
+    evidence against the blamed node, and whether the attempt got past its starting step."""
+    records = [r for r in exits.records(run_dir / "exits" / exits.attempt_folder()) if r.get("phase") == ns.phase]
     v = judge(records, srun_failures(nodes.job_log(info), restart, job), ns.rc, (run_dir / "requeue.json").exists())
     nodes_seen = {r.get("node") for r in records}
     if ns.phase == "doctor" and v.kind == exits.INFRASTRUCTURE and len(nodes_seen) > 1 and nodes_seen <= set(v.blame):
         v = Verdict(exits.USER_ERROR, f"{v.cause}; it fails on every node: the setup's, not a node's", step=v.step)
-    before = history(run_dir, job)
     earlier = repeated(v, before)
     if earlier is not None:
         v = Verdict(exits.USER_ERROR, f"{v.cause}; the same step {v.step} failed before on "
                     f"{', '.join(earlier.get('blamed') or ['another node'])}: the code's fault, not a node's",
                     v.where, [], v.step)
-    limits = Limits(ns.max_requeues, ns.max_failures, Path(ns.suspects), ns.suspect_hours)
     v = with_deadline(v, run_dir)
-    action, why = decide(v, before, limits)
-    restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.get("cause") == DEADLINE for e in before)
-    if action == "requeue" and v.cause != DEADLINE and restarts >= ns.max_requeues + ns.max_failures:
-        action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
-    avoid = sorted({n for n in [*ns.avoid.split(","), *v.blame] if n})
-    already = nodes.excluded(info) if avoid and action == "requeue" else []
-    if action == "requeue" and v.blame:
-        suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause)
-        left = spare(env.get("SLURM_JOB_NODELIST", ""), ns.need, avoid)
-        if left is not None:  # the next attempt starts here, at once: the last line tells the batch shell's loop
-            _record(run_dir, ns.phase, restart, job, v, "restart_here", f"{why} here, on {left}")
-            print(f"restart-here: {','.join(avoid)}", flush=True)
-            return 0
-        short = nodes.shortfall(info, [*avoid, *already], ns.min_nodes)
-        if short:
-            action, why = "fail", f"{why}, but {short}"
-    if action == "requeue":
-        problem = nodes.requeue(job, avoid, already)
-        if problem is None:
-            _record(run_dir, ns.phase, restart, job, v, action, why)
-            return 0
-        action, why = "fail", problem
-    _record(run_dir, ns.phase, restart, job, v, action, why)
-    return _finish(run_dir, v, action, why, ns.rc)
+    down = [n for n in v.blame if seen and n in seen and not nodes.is_usable(seen[n])]
+    start, last = progress(run_dir, job, restart)
+    reached = max([s for s in (last, v.step) if s is not None], default=None)
+    return dataclasses.replace(v, hard=v.hard or bool(down) or (ns.phase == "doctor" and bool(v.blame)),
+                               start_step=start, progressed=None if start is None else bool(reached and reached > start))
 
 
-def spare(nodelist: str, need: int, avoid: list[str]) -> str | None:
-    """The nodes of this allocation the next attempt can run on without ``avoid`` (None: fewer than ``need``)."""
-    if not need or not nodelist:
-        return None
-    left = [n for n in nodes.hostnames(nodelist) if n not in avoid]
-    return ",".join(left[:need]) if len(left) >= need else None
+def progress(run_dir: Path, job: str, attempt: str) -> tuple[int | None, int | None]:
+    """(the step this attempt started from, the last step its events name), from the event log; (None, None) when
+    the attempt never got to its first step's bookkeeping (no ``attempt`` event)."""
+    start: int | None = None
+    last: int | None = None
+    for e in read(run_dir):
+        if e.get("event") == "attempt" and str(e.get("job_id")) == job and str(e.get("attempt")) == attempt:
+            start, last = int(e.get("resumed_step") or 0), None
+        elif start is not None and isinstance(e.get("step"), int) and e.get("event") != "attempt_end":
+            last = max(last or 0, int(e["step"]))
+    return start, last
 
 
 def _record(run_dir: Path, phase: str, restart: str, job: str, v: Verdict, action: str, why: str) -> None:
@@ -267,8 +338,8 @@ def _record(run_dir: Path, phase: str, restart: str, job: str, v: Verdict, actio
     where = f" at {v.where}" if v.where else ""
     print(f"attempt ended: {v.kind}: {v.cause}{where}{blamed} -> {why}", file=sys.stderr, flush=True)
     event = {"t": round(time.time(), 3), "event": "attempt_end", "job_id": job, "attempt": restart, "phase": phase,
-             "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame, "step": v.step,
-             "decision": action, "why": why}
+             "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame, "hard": v.hard, "step": v.step,
+             "start_step": v.start_step, "progressed": v.progressed, "decision": action, "why": why}
     try:
         with open(run_dir / EVENTS, "a") as f:
             f.write(json.dumps(event) + "\n")
@@ -295,10 +366,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failures", type=int, default=3)
     p.add_argument("--suspects", default=suspects.default_path(), help="the suspects list to add blamed nodes to")
     p.add_argument("--suspect-hours", type=float, default=24.0)
-    p.add_argument("--need", type=int, default=0, help="nodes per attempt, when the job holds spare nodes")
+    p.add_argument("--suspect-after", type=int, default=suspects.AFTER,
+                   help="blames from this many different jobs make other jobs avoid a node (hard evidence: one)")
+    p.add_argument("--storm-after", type=int, default=3,
+                   help="stop after this many attempts in a row end before passing their starting step (0: never)")
+    p.add_argument("--in-place", action="store_true",
+                   help="the batch script restarts inside the allocation (spare nodes, a node range)")
+    p.add_argument("--most", type=int, default=0, help="the most nodes an attempt runs on (in place)")
+    p.add_argument("--need", type=int, default=0, help="nodes per attempt of a job with spare nodes (in place)")
     p.add_argument("--min-nodes", type=int, default=0,
                    help="the fewest nodes the job may start on (a node range; Slurm shows the allocated count)")
-    p.add_argument("--avoid", default="", help="nodes of this allocation earlier attempts were blamed on")
+    p.add_argument("--avoid", default="", help="(ignored: the event log holds the job's blames)")
     return p
 
 

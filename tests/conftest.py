@@ -166,9 +166,11 @@ def free_port() -> int:
 
 
 def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] | None = None,
-                module: str = "trainer", script: Path | None = None, split: bool = False) -> list[Any]:
+                module: str = "trainer", script: Path | None = None, split: bool = False,
+                nodes: list[str] | None = None) -> list[Any]:
     """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between (warm: see
-    tests/warm.py). Each rank's stderr goes to its stdout unless ``split``.
+    tests/warm.py). Each rank's stderr goes to its stdout unless ``split``. ``nodes``: rank r runs as the only
+    process of Slurm node ``nodes[r]`` (SLURMD_NODENAME), as if the ranks ran on that many machines.
 
     Each rank leads its own process group, so a test can signal a rank together with its
     DataLoader workers, as Slurm signals every process of a step.
@@ -178,6 +180,8 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
     for rank in range(world):
         rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+        if nodes:
+            rank_env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), SLURMD_NODENAME=nodes[rank])
         target = [str(script)] if script else ["-m", module]
         procs.append(warm.Popen([sys.executable, *target, *args], cwd=cwd, env=clean_env(rank_env),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE if split else subprocess.STDOUT,

@@ -267,7 +267,7 @@ def test_out_of_memory_message_survives_an_empty_exception_text() -> None:
 
 def test_async_staging_reuses_its_host_buffers() -> None:
     """The stall of an async save is one copy into buffers kept from the last save, not a fresh allocation."""
-    staging = ckpt._Staging()
+    staging = ckpt.Staging()
     weight = torch.randn(64, 32)
     state = {"model": {"w": weight}, "optimizer": {"state": {0: {"momentum": torch.ones(64, 32)}}}, "step": 1}
     first = staging.stage(state)

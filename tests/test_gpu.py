@@ -55,7 +55,7 @@ def test_cpu_bf16_autocast_runs(tmp_path: Path) -> None:
 def test_async_staging_of_gpu_state_is_pinned_host_memory() -> None:
     from trainer.checkpoint import file as ckpt
 
-    staging = ckpt._Staging()
+    staging = ckpt.Staging()
     w = torch.randn(256, 256, device="cuda")
     staged = staging.stage({"model": {"w": w}})["model"]["w"]
     assert staged.device.type == "cpu" and staged.is_pinned() and torch.equal(staged, w.cpu())

@@ -81,10 +81,15 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
     _shellcheck(tmp_path / "job.sh", "--exclude=SC2016")
 
 
-@pytest.mark.parametrize("launch", ["srun", "torchrun"])
-def test_golden_spare_nodes(tmp_path: Path, launch: str) -> None:
-    p = load_profile("dev", {"nodes": 2, "spare_nodes": 1, "launch": launch, "doctor": True})
-    path, raw = GOLDEN / f"sbatch-{launch}-spare1.sh", sbatch_script(p, HOSTILE)
+@pytest.mark.parametrize(("launch", "sets", "name"), [
+    ("srun", {"nodes": 2, "spare_nodes": 1}, "spare1"),
+    ("torchrun", {"nodes": 2, "spare_nodes": 1}, "spare1"),
+    ("srun", {"nodes": 3, "min_nodes": 2, "spare_nodes": 1}, "range2-3-spare1"),
+])
+def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, int], name: str) -> None:
+    """Spare nodes, and a node range with a spare: the batch script restarts inside its allocation."""
+    p = load_profile("dev", {**sets, "launch": launch, "doctor": True})
+    path, raw = GOLDEN / f"sbatch-{launch}-{name}.sh", sbatch_script(p, HOSTILE)
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(normalized(raw))
     assert normalized(raw) == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
@@ -200,7 +205,8 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     sruns = [c[1] for c in res["calls"] if c[0] == "srun"]  # type: ignore[index,union-attr]
     assert [a[:4] for a in sruns] == [  # type: ignore[index]
         ["--kill-on-bad-exit=1", "--label", "--nodes=2", "--nodelist=n1,n2"],
-        ["--kill-on-bad-exit=1", "--label", "--nodes=2", "--nodelist=n1,n3"]], sruns
+        ["--kill-on-bad-exit=1", "--label", "--nodes=2", "--nodelist=n1,n3"],
+        ["--overlap", "--nodes=3", "--nodelist=n1,n2,n3", "--ntasks-per-node=1"]], sruns  # snapshots cleared at the end
     ends = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     ends = [e for e in ends if e["event"] == "attempt_end"]
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
@@ -254,7 +260,8 @@ def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     (["launch=mpirun"], "profile.launch"),
     (["container.runtime=podman"], "profile.container.runtime"),
     (["min_nodes=3"], "profile.min_nodes"),
-    (["min_nodes=1", "nodes=2", "spare_nodes=1"], "profile.min_nodes"),
+    (["suspect_after=0"], "profile.suspect_after"),
+    (["storm_after=-1"], "profile.storm_after"),
 ])
 def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
     argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]

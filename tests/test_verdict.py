@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from cluster import suspects
+from cluster import placement, suspects
 from cluster.nodes import parse_fields
-from cluster.verdict import Limits, Verdict, decide, judge, repeated, srun_failures
+from cluster.placement import Next, Shape
+from cluster.verdict import Limits, Verdict, decide, judge, repeated, srun_failures, storm
 from trainer.core import exits
 
 from .conftest import clean_env
@@ -121,14 +122,110 @@ def test_scontrol_fields_keep_paths_with_spaces() -> None:
 
 def test_suspects_expire_and_clear(tmp_path: Path) -> None:
     path = tmp_path / "s.json"
-    suspects.add(path, ["n2"], 1, "7", "killed")
-    suspects.add(path, ["n3"], -1, "8", "old")
+    suspects.add(path, ["n2"], 1, "7", "device error", hard=True)
+    suspects.add(path, ["n3"], -1, "8", "old", hard=True)
     assert suspects.active(path) == ["n2"]
     assert suspects.active(path, now=time.time() + 7200) == []
     assert suspects.clear(path, "n2") == ["n2"] and suspects.active(path) == []
     assert suspects.clear(path, "all") == ["n3"] and suspects.load(path) == {}
     path.write_text("not json")
     assert suspects.active(path) == []  # a broken list never stops a job
+
+
+NOW = 1_000_000.0
+
+
+def blame(job: str, t: float = NOW - 60, hard: bool = False, hours: float = 24) -> dict[str, Any]:
+    return {"t": t, "until": t + hours * 3600, "job": job, "cause": "rank 1 was killed", "hard": hard}
+
+
+@pytest.mark.parametrize(("evidence", "after", "avoided", "words"), [
+    ([blame("7")], 2, False, "blamed by 1 job(s)"),  # one SIGKILL is no evidence against a node
+    ([blame("7"), blame("7", NOW - 30)], 2, False, "blamed by 1 job(s)"),  # nor is the same job twice
+    ([blame("7"), blame("8")], 2, True, "blamed by 2 jobs (7, 8)"),
+    ([blame("7")], 1, True, "blamed by 1 jobs"),
+    ([blame("7", hard=True)], 2, True, "hard evidence from job 7"),
+    ([blame("7", NOW - 90000), blame("8")], 2, False, "blamed by 1 job(s) (8)"),  # the older one expired
+])
+def test_a_node_is_avoided_on_evidence_not_on_one_blame(tmp_path: Path, evidence: list[dict[str, Any]], after: int,
+                                                        avoided: bool, words: str) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"n2": evidence}))
+    (s,) = suspects.standing(path, after, now=NOW)
+    assert (s.node, s.avoided) == ("n2", avoided) and words in s.why, s
+    assert suspects.active(path, after, now=NOW) == (["n2"] if avoided else [])
+
+
+def test_a_list_written_before_evidence_was_weighed_reads_as_one_blame(tmp_path: Path) -> None:
+    path, now = tmp_path / "s.json", time.time()
+    path.write_text(json.dumps({"n1": {"until": now + 3600, "job": "3", "cause": "killed", "since": now - 10}}))
+    (s,) = suspects.standing(path, 2, now=now)
+    assert not s.avoided and s.evidence[0]["job"] == "3" and s.evidence[0]["t"] == now - 10
+    suspects.add(path, ["n1"], 1, "4", "killed again")
+    assert suspects.active(path, 2) == ["n1"]
+
+
+@pytest.mark.parametrize(("ordered", "usable", "need", "avoided", "again"), [
+    (["n1"], {"n1", "n2", "n3"}, 2, ["n1"], []),
+    (["n3", "n1"], {"n1", "n2", "n3"}, 2, ["n3"], ["n1"]),  # the older blame is forgotten first
+    (["n1", "n2"], {"n1", "n2"}, 2, [], ["n1", "n2"]),  # nothing to spare: every node is used again
+    (["n9", "n1"], {"n1", "n2", "n3"}, 2, ["n9", "n1"], []),  # a node outside the partition costs nothing
+    (["n1", "n1"], {"n1", "n2", "n3"}, 1, ["n1"], []),
+])
+def test_avoiding_fails_open(ordered: list[str], usable: set[str], need: int, avoided: list[str],
+                             again: list[str]) -> None:
+    assert suspects.fail_open(ordered, usable, need) == (avoided, again)
+
+
+ALLOC = ["n1", "n2", "n3"]
+
+
+@pytest.mark.parametrize(("allocation", "ordered", "shape", "expected"), [
+    # a spare node takes over: the same 2 nodes' worth, the blamed node kept as the new spare
+    (ALLOC, ["n1"], Shape(2, 2, True), Next(True, ["n1"], [], [], 2)),
+    # the next failure on n3: n1 (blamed earlier) is used again rather than leaving the job short
+    (ALLOC, ["n3", "n1"], Shape(2, 2, True), Next(True, ["n3"], ["n1"], [], 2)),
+    # a node range shrinks onto the nodes left and gives the lost one back
+    (ALLOC, ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], ["n2"], 2)),
+    # a range with a spare: the spare takes over first, nothing given back
+    (["n1", "n2", "n3", "n4"], ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], [], 3)),
+    (["n1", "n2"], ["n1"], Shape(2, 3, True), None),  # at the range's minimum: the queue, not here
+    (ALLOC, ["n1"], Shape(2, 3, False), None),  # no loop in the batch script
+    (ALLOC, [], Shape(3, 3, True), Next(True, [], [], [], 3)),  # nobody blamed: the same nodes again
+])
+def test_where_the_next_attempt_runs_inside_the_allocation(allocation: list[str], ordered: list[str], shape: Shape,
+                                                           expected: Next | None) -> None:
+    assert placement.here(allocation, ordered, shape) == expected
+
+
+def test_a_job_of_two_on_three_nodes_meets_three_faults_and_keeps_running() -> None:
+    """The issue's job: a rank killed on n1, a preemption, a rank killed on n3 (max_failures=10): each requeue
+    avoids the newest blame and uses n1 again instead of failing with two of three nodes excluded."""
+    order = placement.blame_order(["n3"], [["n1"], []], [], ["n1"])
+    assert order == ["n3", "n1"]
+    nxt = placement.queue(order, {"n1", "n2", "n3"}, 2)
+    assert (nxt.avoid, nxt.again) == (["n3"], ["n1"])
+    assert "n1 used again although blamed" in nxt.describe("partition dev")
+
+
+@pytest.mark.parametrize(("progressed", "before", "after", "stops"), [
+    (False, [False, False], 3, True),
+    (False, [True, False], 3, False),  # progress two attempts ago: not a storm
+    (False, [False], 3, False),
+    (True, [False, False], 3, False),
+    (None, [False, False], 3, False),  # unknown: never a reason to stop
+    (False, [False, False], 0, False),  # storm_after 0: off
+    (False, [], 1, True),
+])
+def test_a_storm_of_attempts_without_progress_stops_the_job(progressed: bool | None, before: list[bool],
+                                                            after: int, stops: bool) -> None:
+    v = Verdict("infrastructure", "rank 1 on n2 was killed", progressed=progressed, start_step=40)
+    events = [{"event": "attempt_end", "class": "infrastructure", "progressed": p} for p in before]
+    said = storm(v, events, after)
+    assert bool(said) == stops, said
+    if stops:
+        assert "before passing their starting step (step 40)" in str(said)
+        assert decide(v, events, Limits(3, 10, Path("/nonexistent"), 1, storm_after=after))[0] == "fail"
 
 
 @pytest.mark.parametrize(("exc", "kind", "echo"), [

@@ -22,7 +22,7 @@ rm -f "$RUN_DIR/requeue.json"
 # What the batch shell sees of each attempt, for the run report (trainer/report.py): one line per event.
 job_event() {
   printf '{"t": %s, "event": "%s", "job_id": "%s", "restart": %s, "nodes": %s%s}\n' "$(date +%s.%N)" "$1" \
-    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NUM_NODES:-1}" "${2:-}" \
+    "${SLURM_JOB_ID:-0}" "${SLURM_RESTART_COUNT:-0}" "${need:-${SLURM_JOB_NUM_NODES:-1}}" "${2:-}" \
     >> "$RUN_DIR/events.jsonl" || true
 }
 job_event job_start

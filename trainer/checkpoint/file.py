@@ -68,7 +68,7 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
     return sink.size, sink.hash.hexdigest()
 
 
-class _Staging:
+class Staging:
     """Host copies of the state for background writes, kept from one asynchronous save to the next.
 
     Copying into memory that is already allocated (pinned, for GPU tensors) is many times faster than
@@ -104,7 +104,7 @@ class FileCheckpointer(Checkpointer):
         super().__init__(folder, is_main, keep, save_delay)
         self.on_write = on_write
         self._thread: threading.Thread | None = None
-        self._staging = _Staging()
+        self._staging = Staging()
 
     def save(self, state: dict[str, Any], step: int, blocking: bool = True,
              sharded: dict[str, Any] | None = None) -> Path:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import EXTRA, find_resumable
+from trainer.checkpoint.layout import EXTRA, committed, find_resumable
 from trainer.core.config import Config
 from trainer.core.dist import on_main
 from trainer.core.env import DistEnv
@@ -21,6 +22,25 @@ class Resumed:
 
     path: Path
     state: dict[str, Any]
+    memory: bool = False
+    """A snapshot in node memory (trainer.checkpoint.memory), not a durable checkpoint."""
+
+
+def durable_step(cfg: Config, env: DistEnv, run_dir: Path) -> int:
+    """Collective: the step of the run's newest committed checkpoint (-1: none, or checkpoint.resume=never), from
+    its manifests alone (nothing is loaded)."""
+    if cfg.checkpoint.resume == "never":
+        return -1
+
+    def newest() -> int:
+        for manifest in committed(run_dir / "checkpoints"):
+            try:
+                return int(json.loads(manifest.read_text())["global_step"])
+            except (OSError, ValueError, KeyError):
+                continue
+        return -1
+
+    return int(on_main(env.is_main, newest))
 
 
 def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:

@@ -27,7 +27,7 @@ TRAINER_VARIABLES = (
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
-    "TRAINER_TRIAL", "TRAINER_PRUNING",
+    "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_MEMORY_DIR",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -90,6 +90,11 @@ class JobInfo:
     checksum: bool = False
     """TRAINER_CHECKSUM=1: at the end, every rank's parameter hash in result.json (a full model copy to the CPU; the
     tests' proof that the ranks agree)."""
+    in_place: bool = False
+    """TRAINER_IN_PLACE=1: the batch script restarts a failed attempt inside the allocation (spare nodes, a node
+    range), where snapshots in node memory can be restored (``checkpoint.memory=auto`` takes them then)."""
+    memory_dir: str = "/dev/shm"
+    """TRAINER_MEMORY_DIR: where each node keeps memory snapshots (a RAM-backed folder local to the node)."""
 
 
 def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
@@ -118,6 +123,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         pruning=env.get("TRAINER_PRUNING") == "1",
         signal_grace_s=_positive(env.get("TRAINER_SIGNAL_GRACE_S"), 0.0),
         mtbf_hours=_positive(env.get("TRAINER_MTBF_HOURS"), 24.0),
+        in_place=env.get("TRAINER_IN_PLACE") == "1",
+        memory_dir=env.get("TRAINER_MEMORY_DIR") or "/dev/shm",
     )
 
 

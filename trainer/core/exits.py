@@ -119,8 +119,8 @@ def classify(exc: BaseException) -> dict[str, Any]:
         or any(m in low for m in DISTRIBUTED)
     if distributed and any(p in low for p in PEER_LOST):
         return {"class": INFRASTRUCTURE, "cause": f"lost a peer mid-collective ({first})", "echo": True}
-    if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":
-        return {"class": INFRASTRUCTURE, "cause": f"device or interconnect error: {first}", "echo": False}
+    if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":  # hard evidence against the node
+        return {"class": INFRASTRUCTURE, "cause": f"device or interconnect error: {first}", "echo": False, "hard": True}
     return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
 
 

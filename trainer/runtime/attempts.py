@@ -14,6 +14,7 @@ from typing import Any
 
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.events import git_commit, read, versions
+from trainer.core.exits import attempt_id
 
 
 @dataclass
@@ -138,6 +139,6 @@ def summary(f: dict[str, Any]) -> dict[str, float]:
 
 def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, **more: Any) -> dict[str, Any]:
     """The facts an ``attempt`` event records: when and where this start of the job runs, and what it continues."""
-    return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count,
+    return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count, attempt=attempt_id(),
                 array_job_id=job.array_job_id, array_task_id=job.array_task_id, nodes=env.num_nodes,
                 processes=env.world_size, resumed_step=resumed_step, **more, git=git_commit(Path.cwd()), **versions())

@@ -6,6 +6,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,9 @@ from trainer.core.config import CheckpointConfig
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
 from trainer.runtime.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cadence, Deadline, longest_save_s
+
+if TYPE_CHECKING:
+    from trainer.runtime.snapshots import Snapshots
 
 
 class Preemption:
@@ -42,6 +46,8 @@ class Poll:
     """A scheduled save (every_steps, every_minutes, the auto cadence, or asked for with a save-now file)."""
     deadline: bool = False
     """The time limit is closer than one save and the steps to the next agreement: save, exit, requeue."""
+    snapshot_every: int = 0
+    """Steps between memory snapshots, as rank 0 proposed them at this poll (0: no proposal)."""
 
 
 class SavePolicy:
@@ -63,12 +69,19 @@ class SavePolicy:
         ranks may learn of a deadline."""
         self.save_s = save_s
         """The longest blocking save seen (this run's event log included): what a last save may take."""
+        self.snapshots: Snapshots | None = None
+        """The run's memory snapshots, whose interval rank 0 proposes and every poll agrees."""
 
     def margin_s(self) -> float:
         """Time a last save needs before the limit: twice (one save, after a background write still running when
         saves are async, + the steps to the next poll), plus SLACK_S for the exit, the verdict and the requeue."""
         save = max(self.save_s, self.cadence.stall_s if self.cadence else 0.0) * (2 if self.cfg.async_save else 1)
         return 2 * (save + self.poll_span_s) + SLACK_S
+
+    def deadline_facts(self) -> dict[str, float | None]:
+        """For the ``deadline`` event: seconds left to the time limit, and the margin a last save keeps."""
+        left = self.deadline.left_s() if self.deadline else None
+        return {"left_s": None if left is None else round(left, 1), "margin_s": round(self.margin_s(), 1)}
 
     def signal_at_limit(self, grace_s: float) -> bool:
         """Rank 0: a warning signal now is the time limit's, not a preemption: it came within the job's signal grace
@@ -88,22 +101,29 @@ class SavePolicy:
         left = self.deadline.left_s() if self.deadline else None
         return timed, left is not None and left < self.margin_s()
 
+    def polls_at(self, step: int, force: bool = False) -> bool:
+        """Whether the ranks agree at ``step`` (every ``poll_steps``, or when asked)."""
+        return force or step % self.cfg.poll_steps == 0
+
     def poll(self, step: int, force: bool = False) -> Poll:
         """Collective at a step boundary: what the ranks agree on (see :class:`Poll`)."""
         every = self.cfg.every_steps
         due_by_steps = bool(every and step % every == 0)
-        if not force and step % self.cfg.poll_steps:
+        if not self.polls_at(step, force):
             return Poll(due=due_by_steps)
         now, self.polls = time.monotonic(), self.polls + 1
         if self.polls > 1:
             self.poll_span_s = max(self.poll_span_s, now - self.last_poll)
         self.last_poll = now
         timed, near = self._rank0_flags() if self.env.is_main else (False, False)
-        flags = torch.tensor([self.preemption.signum, int(timed), int(near)], dtype=torch.int32)
+        propose = self.snapshots.propose(step) if self.snapshots else 0
+        flags = torch.tensor([self.preemption.signum, int(timed), int(near), propose], dtype=torch.int32)
         if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
-        signum, timed_any, near_any = flags.tolist()
-        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any))
+        signum, timed_any, near_any, every = flags.tolist()
+        if self.snapshots and every:
+            self.snapshots.every = every
+        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any), every)
 
     def saved(self, stall_s: float, blocking: bool = True) -> None:
         """A save just finished, stalling training ``stall_s``: the timed interval starts again."""

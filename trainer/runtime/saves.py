@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.base import Checkpointer
+from trainer.checkpoint.resume import Resumed
 from trainer.core.events import EventLog
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.preemption import SavePolicy
@@ -17,12 +18,13 @@ class Saves:
     """Saves through ``checkpointer`` under the hang watchdog; remembers the last one and the stalls so far."""
 
     def __init__(self, checkpointer: Checkpointer, policy: SavePolicy, heartbeat: Heartbeat, events: EventLog,
-                 is_main: bool, resumed: tuple[int, Path] | None) -> None:
+                 is_main: bool, resumed: Resumed | None) -> None:
         self.checkpointer, self.policy, self.heartbeat, self.events = checkpointer, policy, heartbeat, events
         self.is_main = is_main
-        self.saved_step: int | None = resumed[0] if resumed else None
-        """The step of the newest checkpoint this run has (saved or resumed from)."""
-        self.last_path: Path | None = resumed[1] if resumed else None
+        durable = resumed if resumed and not resumed.memory else None  # a snapshot is no save: the end saves durably
+        self.saved_step: int | None = int(durable.state["step"]) if durable else None
+        """The step of the newest durable checkpoint this run has (saved or resumed from)."""
+        self.last_path: Path | None = durable.path if durable else None
         self.stall_s = 0.0
         """Seconds this process spent in ``save`` (result.json: checkpoint_stall_s)."""
 

@@ -34,16 +34,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.base import Checkpointer
-from trainer.checkpoint.resume import Resumed, find
-from trainer.checkpoint.state import (
-    STATE_VERSION,
-    PerRank,
-    check_names,
-    check_plain,
-    collect,
-    own_fields,
-    restore_objects,
-)
+from trainer.checkpoint.resume import Resumed
+from trainer.checkpoint.state import STATE_VERSION, PerRank, check_names, check_plain, collect, own_fields
 from trainer.core import dist as tdist
 from trainer.core import exits
 from trainer.core.config import Config, load, to_dict, to_yaml
@@ -57,8 +49,10 @@ from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
 from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
 from trainer.runtime.preemption import Preemption, save_policy
+from trainer.runtime.resuming import resume
 from trainer.runtime.rundir import RunDir
 from trainer.runtime.saves import Saves
+from trainer.runtime.snapshots import Snapshots
 from trainer.runtime.tracking import Tracker
 from trainer.runtime.trial import Reports
 from trainer.testing import faults as faults_mod
@@ -102,6 +96,7 @@ class Session:
         self._saves: Saves | None = None
         self._tracker: Tracker | None = None
         self._reports: Reports | None = None
+        self._snapshots: Snapshots | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[DataLoader[Any]] = []
         self.resumed: Resumed | None = None
@@ -217,30 +212,29 @@ class Session:
         self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
         self._heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
         self._reports = Reports(self.run.path, self.env, self.job.pruning)
-        self.resumed = find(self.cfg, self.env, self.run.path)
-        run_id = None
-        if self.resumed:
-            loaders = {n: o for n, o in objects.items() if isinstance(o, Loader)}
-            exact = bool(loaders) and all(o.exact_after(self.resumed.state.get(n, {})) for n, o in loaders.items())
-            restore_objects(self.resumed, objects, self.env, self.model, self.print, exact)
-            self.step = int(self.resumed.state["step"])
-            run_id = self.resumed.state.get("tracking", {}).get("run_id")
+        self._snapshots = Snapshots.open(self.cfg, self.env, self.job, self.run.path, self.sharded_checkpoints,
+                                         self.model, lambda *a, **k: self.events.emit(*a, **k))
+        got = resume(self.cfg, self.env, self.run.path, self._snapshots, objects, self.model, self.print)
+        self.resumed, self.step = got.resumed, got.step
+        if self._snapshots:
+            self._snapshots.check_room(objects, explicit=self.cfg.checkpoint.memory == "on")
         self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)
-        self._tracker.start({**self.config_dict, **self.extra_config}, run_id)
+        self._tracker.start({**self.config_dict, **self.extra_config}, got.run_id)
         self.events = EventLog(self.run.path if self.env.is_main else None)
         checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
                                          self.cfg.checkpoint.keep, (self.faults.save_delay_s, self.faults.save_delay_from_step),
                                          on_write=self._heartbeat.alive, model=self.model)
         policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
                              self.job.mtbf_hours, self.faults.end_in_s)
-        self._saves = Saves(checkpointer, policy, self._heartbeat,
-                            self.events, self.env.is_main, (self.step, self.resumed.path) if self.resumed else None)
+        policy.snapshots = self._snapshots  # their interval is agreed at the same polls
+        self._saves = Saves(checkpointer, policy, self._heartbeat, self.events, self.env.is_main, self.resumed)
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
-                                                                 strategy=self.cfg.dist.strategy))
+                                                                 strategy=self.cfg.dist.strategy, **got.facts))
         self._saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
-            self.print(f"resumed from {self.resumed.path} at step {self.step}")
+            held = " (a snapshot in node memory)" if self.resumed.memory else ""
+            self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
         return self.step
 
     def _run(self) -> RunDir:
@@ -297,20 +291,20 @@ class Session:
         ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
         # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
-        self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2"))
+        self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2", self.env.rank))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
         poll = self.saves.policy.poll(step, force_poll)
-        if force_poll or step % self.cfg.checkpoint.poll_steps == 0:
+        if self.saves.policy.polls_at(step, force_poll):
             self.events.emit("progress", step=step)
         if poll.signum and self.preempted_by is None:
             self.events.emit("signal", durable=True, step=step, signal=signal.Signals(poll.signum).name)
         if poll.signum:
             self.preempted_by = signal.Signals(poll.signum)
         elif poll.deadline and not self.deadline:  # no signal came (or none was asked for): the time limit is near
-            left = self.saves.policy.deadline.left_s() if self.saves.policy.deadline else None
-            self.events.emit("deadline", durable=True, step=step, left_s=None if left is None else round(left, 1),
-                             margin_s=round(self.saves.policy.margin_s(), 1))
+            self.events.emit("deadline", durable=True, step=step, **self.saves.policy.deadline_facts())
             self.deadline = True
+        if self._snapshots and not (poll.due or self.preempted) and self._snapshots.due(step):
+            self._snapshots.take(*self._state(step), step)
         return poll.due or self.preempted
 
     @property
@@ -320,16 +314,19 @@ class Session:
         return self.preempted_by is not None or self.deadline
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
-        """Collective: checkpoint every restored object at ``step`` (asynchronous per ``checkpoint.async_save``,
-        except for preemption saves)."""
+        """Collective: checkpoint every restored object at ``step`` (async per checkpoint.async_save, not when preempted)."""
         self._run()
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
-        through_dcp, state = collect(self.objects, self.sharded_checkpoints)
-        state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
-        path = self.saves.save(state, through_dcp, step, blocking)
+        path = self.saves.save(*self._state(step), step, blocking)
         self.tracker.flush()
         return path
+
+    def _state(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Collective: (what rank 0 writes, the models and optimizers written through DCP) of a save at ``step``."""
+        through_dcp, state = collect(self.objects, self.sharded_checkpoints)
+        state.update(own_fields(step, self.env.world_size, self.config_dict, self.tracker.run_id, self.extra_config))
+        return state, through_dcp
 
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
         """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
@@ -339,6 +336,8 @@ class Session:
         self.checkpointer.wait()
         if self.saves.saved_step != self.step:
             self.save(self.step)
+        if self._snapshots:  # saved for good: the run's snapshots go (a failed attempt's stay for the restart)
+            self._snapshots.close(finished=True)
         path = str(self.last_path)
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
@@ -370,6 +369,8 @@ class Session:
         try:
             if self._heartbeat is not None:
                 self._heartbeat.stop()
+            if self._snapshots is not None:
+                self._snapshots.close(finished=False)
             try:
                 if self._saves is not None:
                     self._saves.checkpointer.wait()

@@ -6,6 +6,7 @@ a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, fields
@@ -33,6 +34,11 @@ class Faults:
     """Rank ``hang_rank`` stops forever as this process's step N+1 starts (-1: never)."""
     hang_rank: int = 1
     """The rank that ``hang_at_step`` stops."""
+    kill_at_step: int = -1
+    """Rank ``kill_rank`` SIGKILLs itself at the end of this process's step N+1, before the ranks agree on saving
+    (-1: never): an unannounced end, as the OOM-killer or a dying node gives."""
+    kill_rank: int = 1
+    """The rank that ``kill_at_step`` kills."""
     only_restart: int = -1
     """Inject the faults only in this attempt of a Slurm job (its restart count; -1: in every attempt), so a retried
     attempt runs clean (a restart inside the allocation, attempt "0.1", too)."""
@@ -46,8 +52,10 @@ class Faults:
         if done == self.hang_at_step and rank == self.hang_rank:
             _stuck_for_test()
 
-    def after_step(self, done: int, preemption_signal: str) -> int:
+    def after_step(self, done: int, preemption_signal: str, rank: int = -1) -> int:
         """Called with the count of finished steps; returns a signal number to act on (0: none)."""
+        if done == self.kill_at_step + 1 and rank == self.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
         if done == self.oom_at_step + 1:
             raise torch.OutOfMemoryError("simulated out of memory (TRAINER_FAULTS oom_at_step)")
         if self.step_delay_s:
