@@ -83,7 +83,7 @@ resubmit: venv  ## submit a run again in its folder (it resumes): RUN=… ARGS="
 doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
 	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container '$(CONTAINER)') $(ARGS)
 
-dev-cluster:  ## start a real 2-node Slurm (with accounting) on this machine (root, Debian/Ubuntu)
+dev-cluster:  ## start a real 3-node Slurm (with accounting) on this machine (root, Debian/Ubuntu)
 	bash slurm/dev-cluster.sh up
 
 dev-cluster-down:  ## stop the dev cluster and remove its state

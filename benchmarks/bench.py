@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import cadence, gpu
+from benchmarks import cadence, gpu, life, projection, recovery
 from benchmarks.checkpoints import checkpoint_cost
-from benchmarks.common import ROOT, bare_run, clean_env, each, machine, pairs, show, spread, trainer_run
+from benchmarks.common import ROOT, bare_run, clean_env, each, machine, pairs, show, splice, spread, trainer_run
 from benchmarks.sharded import memory_rows, save_pairs
 
 BATCH = 32  # per process, as the trainer's default
@@ -255,13 +255,39 @@ def main() -> int:
         dim, layers = (64, 2) if a.smoke else (256, 4)
         results["sharded"] = {"memory": memory_rows(dim, layers), "saves": save_pairs(repeats, dim, layers)}
         results["cadence"] = cadence.simulate()
+        if not a.smoke:  # the dev cluster's recovery paths, when it is up (section 8)
+            measured = recovery.measure(repeats, tmp)
+            if "skipped" not in measured:
+                (a.out / "benchmarks-recovery.json").write_text(json.dumps(measured, indent=1))
     results["took_s"] = time.perf_counter() - started
     (a.out / "benchmarks.json").write_text(json.dumps(results, indent=1))
-    (a.out / "benchmarks.md").write_text(render(results))
+    page = a.out / "benchmarks.md"
+    kept = hand_written(page)
+    page.write_text(render(results))
+    for lines in [kept, recovery.section(stored(a.out, "recovery")), projection.section(a.out),
+                  life.section(stored(a.out, "life"))]:
+        if lines:
+            splice(page, lines)
     plot(results, a.out / "benchmarks-scaling.png")
-    print(render(results))
+    print(page.read_text())
     print(f"took {results['took_s']:.0f} s")
     return 0
+
+
+def stored(folder: Path, name: str) -> dict[str, Any] | None:
+    """The last measurement kept in ``folder``/benchmarks-<name>.json (sections measured on their own)."""
+    path = folder / f"benchmarks-{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def hand_written(page: Path) -> list[str]:
+    """Section 7 of an existing page (the test suite's wall time, timed by hand), to keep across runs."""
+    text = page.read_text() if page.exists() else ""
+    start = text.find("## 7. ")
+    if start < 0:
+        return []
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)].rstrip("\n").splitlines()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -105,3 +106,22 @@ def bare_run(nproc: int, batch: int, size: int, device: str = "cpu") -> dict[str
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     result["launch_to_first_step_s"] = result["first_step_at"] - launched
     return result
+
+
+def splice(md: Path, lines: list[str]) -> None:
+    """Put a section (``lines``, its first line the ``## N. Title`` heading) into an existing docs/benchmarks.md:
+    in place of the section of that number, else before the first section numbered higher, else at the end."""
+    text = md.read_text()
+    number = int(re.match(r"## (\d+)\.", lines[0]).group(1))  # type: ignore[union-attr]
+    heads = [(int(m.group(1)), m.start()) for m in re.finditer(r"^## (\d+)\.", text, re.M)]
+    same = [at for n, at in heads if n == number]
+    later = [at for n, at in heads if n > number]
+    block = "\n".join(lines).rstrip("\n") + "\n\n"
+    if same:
+        end = min([at for at in later if at > same[0]] or [len(text)])
+        text = text[:same[0]] + block + text[end:]
+    else:
+        at = min(later or [len(text)])
+        text = text[:at] + ("" if at == len(text) and text.endswith("\n\n") else "\n" if at == len(text) else "") \
+            + block + text[at:]
+    md.write_text(text)

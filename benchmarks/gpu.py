@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoints import checkpoint_cost
-from benchmarks.common import ROOT, bare_run, each, machine, pairs, show, spread, trainer_run
+from benchmarks.common import ROOT, bare_run, each, machine, pairs, show, splice, spread, trainer_run
 
 
 def precision_rows(repeats: int, smoke: bool) -> list[dict[str, Any]] | dict[str, str]:
@@ -182,14 +182,6 @@ def stored(folder: Path) -> dict[str, Any] | None:
     """The last GPU measurement kept in ``folder``/benchmarks-gpu.json, if any."""
     path = folder / "benchmarks-gpu.json"
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def splice(md: Path, lines: list[str]) -> None:
-    """Replace section 4 of an existing docs/benchmarks.md (up to the next section) with ``lines``."""
-    text = md.read_text()
-    start = text.index("## 4. GPU only")
-    end = text.find("\n## ", start + 1)
-    md.write_text(text[:start] + "\n".join(lines) + (text[end:] if end >= 0 else "\n"))
 
 
 def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, Any]:

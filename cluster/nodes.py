@@ -73,6 +73,13 @@ def states(partition: str | None) -> dict[str, str] | None:
     return {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if len(w) >= 2}
 
 
+def memory_mb(partition: str | None) -> int | None:
+    """The memory of the smallest node of ``partition`` in MB (sinfo's %m); None when sinfo cannot say."""
+    rc, out = _run("sinfo", "-h", "-N", *(["-p", partition] if partition else []), "-o", "%m")
+    sizes = [int(w) for w in out.split() if w.isdigit()] if rc == 0 else []
+    return min(sizes) if sizes else None
+
+
 def is_usable(state: str) -> bool:
     """Whether a node in this sinfo state can run a job (not down, drained, failing, unreachable: ``*``)."""
     return not state.rstrip("*~#!%$@^-").startswith(UNUSABLE) and not state.endswith("*")

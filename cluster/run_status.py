@@ -25,6 +25,8 @@ from cluster.runs import (
 )
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
+from trainer.runtime.attempts import attempts as attempts_of
+from trainer.runtime.attempts import describe_recovery, recoveries
 
 
 def resolve(ref: str) -> dict[str, Any]:
@@ -85,12 +87,12 @@ def throughput(events: list[dict[str, Any]]) -> float | None:
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
 
 
-def progress_lines(events: list[dict[str, Any]]) -> list[str]:
-    """Progress, throughput and ETA; the last checkpoint."""
+def progress_lines(events: list[dict[str, Any]], running: bool = True) -> list[str]:
+    """Progress, and while the run is running its throughput and ETA; the last checkpoint."""
     step_text, metric = progress_of(events)
     out = []
     if step_text:
-        rate = throughput(events)
+        rate = throughput(events) if running else None
         line = f"progress: step {step_text}" + (f", {metric}" if metric else "")
         if rate:
             line += f", {rate:.3g} steps/s"
@@ -132,7 +134,7 @@ def show(ref: str) -> int:
           f", git {str(record.get('git') or '?')[:10]}){' by hand' if record.get('by_hand') else ''}")
     print(f"runs:   {' '.join(map(str, what)) or '(the built-in trainer, defaults)'}")
     print(f"folder: {run_dir}")
-    for line in progress_lines(events):
+    for line in progress_lines(events, running=state == "running"):
         print(line)
     wandb = _wandb(run_dir)
     if wandb:
@@ -141,6 +143,8 @@ def show(ref: str) -> int:
     print(f"attempts ({attempts}):" + ("" if lines else " none started yet"))
     for line in lines:
         print(line)
+    for r in recoveries(attempts_of(run_dir)):
+        print(describe_recovery(r))
     print(f"logs:   {record.get('log')}   (python -m cluster logs {ref} [--rank N] [--attempt K] [-f])")
     _why(record, events, run_dir)
     return 0

@@ -182,7 +182,7 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
     # A container or another interpreter has packages of its own: only this one's imports are checked here.
     command = parse(args, module, check_import=p.container.runtime == "none" and python_for(p) == sys.executable)
     if command is None:
-        _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}", p.world_sizes())
+        _check_trainer_args(args, "SIGUSR2" if launcher == "submitit" else f"SIG{p.signal}", p)
     if launcher == "submitit" and (p.signal != "USR2" or p.launch != "srun"):
         raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
                         "submitit always warns with USR2 and starts one task per process",
@@ -216,7 +216,7 @@ def _record(entry: dict[str, Any], job_id: str, args: list[str], log: str) -> No
         print(f"warning: could not record job {job_id} in {ledger.folder()}: {err}", file=sys.stderr)
 
 
-def _check_trainer_args(args: list[str], warned_with: str, worlds: list[int]) -> None:
+def _check_trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
     """Bad overrides fail here, not on the cluster. The job's warning signal is the profile's, not a trainer key."""
     for arg in args:
         key = arg.partition("=")[0]
@@ -226,9 +226,33 @@ def _check_trainer_args(args: list[str], warned_with: str, worlds: list[int]) ->
                             "leave it out; another signal: --set signal=USR1 (SET=\"signal=USR1\")")
         if key in LEGACY:
             raise UserError(key, f"is no longer a key ({LEGACY[key][1]})", f"leave {arg!r} out")
-    cfg = load_train_config([a for a in args if not a.startswith("run.dir=")])
+    from trainer.builtin.build import checked  # torch: never loaded to list or render
+
+    cfg, params = checked([a for a in args if not a.startswith("run.dir=")])
     if cfg.data.global_batch_size:  # now, not after the queue wait: every world size the job may start with
-        check_worlds(cfg.data.global_batch_size, worlds, cfg.data.batch_size)
+        check_worlds(cfg.data.global_batch_size, p.world_sizes(), cfg.data.batch_size)
+    check_snapshot_room(p, cfg, params)
+
+
+def check_snapshot_room(p: Profile, cfg: Config, params: int | None) -> None:
+    """Memory snapshots that the nodes' /dev/shm (by default half their memory) cannot hold: refused with the
+    figures when asked for (checkpoint.memory=on), one note for auto; nothing when sinfo or the model cannot say."""
+    wanted = cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and p.in_place)
+    mem = nodes.memory_mb(p.partition) if wanted and params else None
+    if not mem or not params:
+        return
+    state = params * 4 * (1 + (2 if cfg.optim.name == "adamw" else 1))  # fp32 weights, optimizer moments
+    world = p.nodes * p.ntasks_per_node
+    share = 2 * p.ntasks_per_node / world if cfg.dist.strategy == "fsdp" and world > p.ntasks_per_node else 1.0
+    need, room = 2 * state * share, mem * 2**20 / 2  # two snapshots kept; fsdp: this node's shards and a partner's
+    if need <= room:
+        return
+    what = (f"memory snapshots need about {need / 2**30:.1f} GiB of /dev/shm on each node, and the nodes of "
+            f"{p.partition or 'the cluster'} have {mem / 1024:.1f} GiB of memory (/dev/shm: usually half)")
+    if cfg.checkpoint.memory == "on":
+        raise UserError("checkpoint.memory", what, "checkpoint.memory=off, or dist.strategy=fsdp on more nodes "
+                        "(each node then holds less)")
+    print(f"note: {what}: the job goes without them (checkpoint.memory=auto)")
 
 
 def task_line(p: Profile, args: list[str], command: Command | None) -> str:

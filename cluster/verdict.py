@@ -57,6 +57,8 @@ class Verdict:
     """Whether the attempt trained past the step it started from (None: unknown)."""
     start_step: int | None = None
     """The step the attempt started from (resumed at), when it got that far."""
+    first_end_t: float | None = None
+    """When the first rank recorded its end (the failure noticed), if one did."""
     hard: bool = False
     """The blame is hard evidence (a device error, a failed launch, the doctor, Slurm's own node state): other jobs
     avoid the node at once, not after blames from several jobs (cluster/suspects.py)."""
@@ -315,8 +317,10 @@ def _judged(ns: argparse.Namespace, run_dir: Path, job: str, restart: str, info:
     down = [n for n in v.blame if seen and n in seen and not nodes.is_usable(seen[n])]
     start, last = progress(run_dir, job, restart)
     reached = max([s for s in (last, v.step) if s is not None], default=None)
+    ended = [float(r["t"]) for r in records if r.get("code") is not None and "t" in r]
     return dataclasses.replace(v, hard=v.hard or bool(down) or (ns.phase == "doctor" and bool(v.blame)),
-                               start_step=start, progressed=None if start is None else bool(reached and reached > start))
+                               start_step=start, progressed=None if start is None else bool(reached and reached > start),
+                               first_end_t=min(ended, default=None))
 
 
 def progress(run_dir: Path, job: str, attempt: str) -> tuple[int | None, int | None]:
@@ -339,7 +343,8 @@ def _record(run_dir: Path, phase: str, restart: str, job: str, v: Verdict, actio
     print(f"attempt ended: {v.kind}: {v.cause}{where}{blamed} -> {why}", file=sys.stderr, flush=True)
     event = {"t": round(time.time(), 3), "event": "attempt_end", "job_id": job, "attempt": restart, "phase": phase,
              "class": v.kind, "cause": v.cause, "where": v.where, "blamed": v.blame, "hard": v.hard, "step": v.step,
-             "start_step": v.start_step, "progressed": v.progressed, "decision": action, "why": why}
+             "start_step": v.start_step, "progressed": v.progressed, "first_end_t": v.first_end_t, "decision": action,
+             "why": why}
     try:
         with open(run_dir / EVENTS, "a") as f:
             f.write(json.dumps(event) + "\n")

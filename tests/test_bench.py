@@ -37,6 +37,7 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     """docs/benchmarks-gpu.json (from `python -m benchmarks.gpu` on a GPU machine) renders as section 4, and replaces
     just that section of an existing page."""
     from benchmarks import gpu
+    from benchmarks.common import splice
 
     stored = gpu.stored(ROOT / "docs")
     assert stored is not None and stored["machine"]["gpus"]
@@ -45,7 +46,11 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     assert sum(line.startswith("| 32 | ") for line in lines) >= 1  # the one-GPU trainer vs bare row at batch 32
     page = tmp_path / "benchmarks.md"
     page.write_text("# B\n\n## 3. x\n\nthree\n## 4. GPU only\n\nold\n\n## 5. y\n\nfive\n")
-    gpu.splice(page, lines)
+    splice(page, lines)
     text = page.read_text()
     assert "old" not in text and "three" in text and text.endswith("## 5. y\n\nfive\n") and lines[2] in text
+    splice(page, ["## 8. new", "", "eight"])  # a section not there yet: after the ones numbered lower
+    splice(page, ["## 6. mid", "", "six"])
+    heads = [line for line in page.read_text().splitlines() if line.startswith("## ")]
+    assert heads == ["## 3. x", "## 4. GPU only", "## 5. y", "## 6. mid", "## 8. new"], heads
     assert gpu.section(None)[2].startswith("Not measured yet")

@@ -228,13 +228,29 @@ def test_single_kills_in_two_jobs_leave_the_partition_usable(slurm_env: dict[str
     assert all(f"{n}: watched (blamed by 1 job(s)" in listed for n in blamed), listed
 
 
-def test_a_spare_node_takes_over_inside_the_allocation(slurm_env: dict[str, str], tmp_path: Path,
-                                                        reference: str) -> None:
+def snapshotted(run: Path, attempt: int) -> int | None:
+    """The step of a memory snapshot newer than every durable checkpoint in attempt number ``attempt``, if any."""
+    starts = [e["t"] for e in events(run, "attempt")]
+    if len(starts) <= attempt:
+        return None
+    saved = max((e["step"] for e in events(run, "checkpoint") if e["t"] > starts[attempt]), default=0)
+    snaps = [e["step"] for e in events(run, "snapshot") if e["t"] > starts[attempt] and e["step"] > saved]
+    return max(snaps) if snaps and saved else None
+
+
+# Durable saves every 10 steps, memory snapshots every 2: a kill lands after a snapshot newer than the last save.
+MEMORY = [*SMALL, "train.epochs=2", "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2"]
+
+
+def test_a_spare_node_takes_over_inside_the_allocation_from_node_memory(slurm_env: dict[str, str], tmp_path: Path,
+                                                                        reference: str) -> None:
+    """The next attempt starts at once on the spare node, restores from the memory of the nodes it runs on (the
+    spare receives the state from the node that kept it), and ends as if uninterrupted; no requeue."""
     run = tmp_path / "run"
     env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["spare_nodes=1"])
-    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
-    node = kill_rank(job, 1, 0)
+    job = submit(env, "sbatch", [*MEMORY, f"run.dir={run}"], ["spare_nodes=1"])
+    wait_for(lambda: snapshotted(run, 0), what="a memory snapshot newer than the last checkpoint")
+    node, killed_at = kill_rank(job, 1, 0), time.time()
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
     ends = events(run, "attempt_end")
@@ -243,6 +259,14 @@ def test_a_spare_node_takes_over_inside_the_allocation(slurm_env: dict[str, str]
     runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
     assert runs == ["COMPLETED"], runs  # one run of the job: no requeue
     assert excluded(job, env) == "(null)"
+    second = events(run, "attempt")[1]
+    assert second["restored_from"] == "memory" and second["resumed_step"] % 10, second
+    first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > second["t"])
+    print(f"kill → first recovered step: {first_step - killed_at:.1f} s (spare node, from memory)")
+    report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
+    assert "recovery after attempt 1 (restart_here)" in report and "from memory" in report, report
+    left = list(Path("/dev/shm").glob(f"trainer-snapshots-{os.getuid()}/{job}-*/*/step_*"))
+    assert not left, left  # the job's end cleared every node's snapshots
 
 
 def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env: dict[str, str],
@@ -276,12 +300,13 @@ def test_a_node_range_job_shrinks_in_place_and_trains_the_same_samples(slurm_env
     env = {**slurm_env, "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
     proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "3", "--wait", "--", *args, f"run.dir={ref}"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "2-3", "--", *args, f"run.dir={run}"],
+    proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "2-3", "--", *args, f"run.dir={run}",
+                        "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2"],
                        {**env, **faults(step_delay_s=0.3)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
-    wait_for(lambda: checkpointed(run, 0), what="a checkpoint")
-    node = kill_rank(job, 1, 0)
+    wait_for(lambda: snapshotted(run, 0), what="a memory snapshot newer than the last checkpoint")
+    node, killed_at = kill_rank(job, 1, 0), time.time()
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["world_size"] == 2 and result["resumed_from"], result
     ends = events(run, "attempt_end")
@@ -292,6 +317,10 @@ def test_a_node_range_job_shrinks_in_place_and_trains_the_same_samples(slurm_env
     held = sh(["scontrol", "show", "job", "-o", job], env).stdout
     assert f"NodeList={node}" not in held and "NumNodes=2 " in held, held
     assert [a["processes"] for a in events(run, "attempt")] == [3, 2]
+    second = events(run, "attempt")[1]
+    assert second["restored_from"] == "memory", second
+    first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > second["t"])
+    print(f"kill → first recovered step: {first_step - killed_at:.1f} s (shrunk 3 → 2 nodes, from memory)")
     a, b = (torch.load(json.loads((r / "result.json").read_text())["checkpoint"], weights_only=True)["model"]
             for r in (ref, run))
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
@@ -315,3 +344,66 @@ def test_a_job_without_a_warning_signal_saves_before_its_time_limit_and_requeues
     saved = next(e for e in events(run, "checkpoint") if e["t"] > near["t"])
     end = near["t"] + near["left_s"]  # the job's end time as squeue gave it
     assert 0 < near["left_s"] < near["margin_s"] and saved["t"] < end - 10, (near, saved)  # room to exit and requeue
+
+
+def progressed(run: Path, steps: int) -> bool:
+    """The newest attempt has trained ``steps`` steps past the one it started from."""
+    starts = events(run, "attempt")
+    if not starts:
+        return False
+    begun = starts[-1]
+    return any(e["t"] > begun["t"] and e["step"] >= int(begun["resumed_step"]) + steps
+               for e in events(run, "progress"))
+
+
+def test_a_jobs_life_of_kills_a_stop_and_a_preemption_ends_as_if_uninterrupted(
+        slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    """spare_nodes=1, max_failures=10: a rank killed (the spare takes over, from memory), a rank stopped from outside
+    (SIGSTOP: the hang watchdog names it), a preemption (requeued, from its save), a rank killed again; the job ends
+    with the uninterrupted run's parameters."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*MEMORY, f"run.dir={run}", "checkpoint.poll_steps=1", "dist.heartbeat_timeout_s=6"],
+                 ["spare_nodes=1", "max_failures=10"])
+    wait_for(lambda: progressed(run, 3), what="3 steps")
+    kill_rank(job, 1, 0)
+    wait_for(lambda: len(events(run, "attempt")) == 2 and progressed(run, 2), what="2 steps of attempt 0.1")
+    for proc in Path("/proc").iterdir():  # stop rank 0 (another node than the kill's): it never answers again
+        try:
+            environ = (proc / "environ").read_text()
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}\0" in environ and "SLURM_PROCID=0\0" in environ and "TRAINER_ATTEMPT=0.1\0" in environ \
+                and "-m\0trainer" in (proc / "cmdline").read_text():
+            os.kill(int(proc.name), signal.SIGSTOP)
+            break
+    else:
+        raise AssertionError("no rank 0 process of attempt 0.1")
+    wait_for(lambda: len(events(run, "attempt")) == 3 and progressed(run, 2), what="2 steps of attempt 0.2")
+    assert sh(["scancel", "--signal=USR2", job], env).returncode == 0
+    wait_for(lambda: len(events(run, "attempt")) == 4 and progressed(run, 2), timeout=240, what="the requeued attempt")
+    kill_rank(job, 1, 1)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    ends = events(run, "attempt_end")
+    assert [(e["class"], e["decision"]) for e in ends] == [
+        ("infrastructure", "restart_here"), ("infrastructure", "restart_here"), ("preempted", "requeue"),
+        ("infrastructure", "restart_here"), ("finished", "done")], ends
+    assert "hang" in ends[1]["cause"], ends[1]
+    assert [a["restored_from"] for a in events(run, "attempt")] == [None, "memory", "memory", "disk", "memory"]
+
+
+def test_memory_snapshots_the_nodes_cannot_hold_are_refused_before_submitting(slurm_env: dict[str, str]) -> None:
+    """A 900M-parameter model with AdamW: two snapshots need about 20 GiB of /dev/shm per node, more than half of
+    the dev nodes' memory; `on` is refused (exit 2, the figures), `auto` goes without, with a note."""
+    big = ["model.target=torch.nn.Linear", "model.kwargs.in_features=30000", "model.kwargs.out_features=30000",
+           "optim.name=adamw"]
+    proc = cluster_cmd(["--launcher", "sbatch", "--dry-run", "--", *big, "checkpoint.memory=on"], slurm_env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: checkpoint.memory: memory snapshots need about 20.1 GiB of /dev/shm on each node" in proc.stderr
+    assert "HINT: " in proc.stderr and "Traceback" not in proc.stderr
+    proc = cluster_cmd(["--launcher", "sbatch", "--dry-run", "--set", "spare_nodes=1", "--", *big], slurm_env)
+    assert proc.returncode == 0 and "the job goes without them (checkpoint.memory=auto)" in proc.stdout, proc.stderr
+    proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "2-3", "--set", "spare_nodes=1", "--", *SMALL], slurm_env)
+    assert proc.returncode == 2 and "error: profile.spare_nodes: NODES=2-3 with spare_nodes=1 needs 4 nodes" in \
+        proc.stderr, proc.stderr

@@ -12,7 +12,7 @@ import matplotlib.image
 import pytest
 
 from trainer.core.events import read
-from trainer.runtime.attempts import attempts, figures
+from trainer.runtime.attempts import PHASES, attempts, describe_recovery, figures
 
 from . import warm
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
@@ -77,6 +77,21 @@ def test_the_report_lists_the_attempts_lost_work_and_goodput(three_attempts: Pat
         useful += training - sum(e["stall_s"] for e in a.times("checkpoint")) - lost
     assert f["goodput"] == pytest.approx(useful / alloc) and 0 < f["goodput"] < 1
     assert result_of(three_attempts)["global_step"] == 64
+
+
+def test_a_recovery_is_broken_down_by_phase(three_attempts: Path) -> None:
+    """The SIGKILL's recovery (no verdict outside Slurm): its phases add up to the time from the killed attempt's
+    last step to the next attempt's first, and name what the restore read and what was recomputed."""
+    runs = attempts(three_attempts)
+    (r,) = figures(runs)["recoveries"]  # the preemption is no failure: only the kill's
+    assert r["after_attempt"] == 2 and r["restored_from"] == "disk"
+    assert r["recomputed_steps"] == figures(runs)["attempts"][1]["lost_steps"] >= 3
+    assert sum(r[k] for k in PHASES) == pytest.approx(r["total_s"], abs=1e-6), json.dumps(r)
+    assert r["startup"] > 0 and r["first_step"] > 0
+    line = describe_recovery(r)
+    assert line.startswith("recovery after attempt 2") and "restore" in line and "from disk" in line
+    assert line in subprocess.run([sys.executable, "-m", "trainer.report", str(three_attempts)], capture_output=True,
+                                  text=True, env=clean_env()).stdout
 
 
 def test_a_sigkilled_attempt_leaves_only_whole_lines(three_attempts: Path) -> None:

@@ -292,3 +292,12 @@ def test_follow_prints_new_lines_of_the_rank_until_the_job_ends(tmp_path: Path, 
     assert run_logs.show(record, 1, None, True, alive, poll_s=0.01) == 0
     assert capsys.readouterr().out.splitlines() == ["old line", "new line", "attempt 1 of job 9 starts on n2",
                                                     "after requeue"]
+
+
+def test_status_of_a_run_that_is_not_running_shows_no_eta(book: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job(book, "90", "gone", 10, [start("90", 0), {"event": "first_step", "step": 1, "stop": 100, "t": 10.0},
+                                 {"event": "progress", "step": 50, "t": 20.0}], cancelled_at=time.time())
+    assert cluster_main(["status", "90"]) == 0
+    out = capsys.readouterr().out
+    assert "cancelled" in out and "progress: step 50/100" in out, out
+    assert "ETA" not in out and "steps/s" not in out, out

@@ -17,7 +17,7 @@ from typing import Any
 
 from trainer.core.errors import EXIT_BAD_INPUT
 from trainer.core.events import EVENTS
-from trainer.runtime.attempts import Attempt, attempts, figures
+from trainer.runtime.attempts import Attempt, attempts, describe_recovery, figures
 
 COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("nodes", "{}"), ("processes", "{}"), ("exit", "{}"), ("ended", "{}"),
            ("blamed", "{}"),
@@ -47,6 +47,7 @@ def table(f: dict[str, Any]) -> str:
         lines.append(f"processes per attempt: {' → '.join(sizes)}")
     lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
               if r["cause"] and r["ended"] != "finished"]
+    lines += [describe_recovery(r) for r in f["recoveries"]]
     return "\n".join(lines)
 
 
@@ -143,7 +144,8 @@ def _render(run_dir: Path) -> tuple[Path, dict[str, Any]]:
             f"{html.escape(str(info.get('nccl')))}, commit {html.escape(str(info.get('git')))}</p>"
             "<table><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + f"</tr>{rows}</table>"
             + "".join(f"<p>attempt {r['attempt']}: {html.escape(str(r['ended']))}: {html.escape(str(r['cause']))}</p>"
-                      for r in f["attempts"] if r["cause"] and r["ended"] != "finished") + imgs)
+                      for r in f["attempts"] if r["cause"] and r["ended"] != "finished")
+            + "".join(f"<p>{html.escape(describe_recovery(r))}</p>" for r in f["recoveries"]) + imgs)
     out = run_dir / "report.html"
     out.write_text(page)
     return out, f

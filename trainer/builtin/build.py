@@ -111,8 +111,12 @@ def check(cfg: Config) -> int | None:
 
 def load_checked(args: list[str]) -> Config:
     """The config from ``key=value`` arguments with every target resolved and built as :func:`check` does."""
+    return checked(args)[0]
+
+
+def checked(args: list[str]) -> tuple[Config, int | None]:
+    """:func:`load_checked`, and the model's parameter count (None when the meta device cannot build it)."""
     from trainer.core.config import load
 
     cfg = load(args)
-    check(cfg)
-    return cfg
+    return cfg, check(cfg)

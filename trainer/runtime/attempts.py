@@ -9,6 +9,7 @@ less the steps the next attempt had to compute again (those after the last check
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ class Attempt:
     start: float
     info: dict[str, Any]
     events: list[dict[str, Any]] = field(default_factory=list)
+    batch_start: float | None = None
+    """When the batch script started this attempt (its ``job_start`` event), if it did."""
 
     def times(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == kind]
@@ -71,10 +74,10 @@ def attempts(run_dir: Path) -> list[Attempt]:
         if e["event"] == "job_start":
             batch_start = e["t"]
             if not session:
-                out.append(Attempt(e["t"], {**e, "resumed_step": None}))
+                out.append(Attempt(e["t"], {**e, "resumed_step": None}, batch_start=e["t"]))
         elif e["event"] == "attempt":
             started = float(e.get("started", e["t"]))
-            out.append(Attempt(min(started, batch_start) if batch_start else started, e))
+            out.append(Attempt(min(started, batch_start) if batch_start else started, e, batch_start=batch_start))
             batch_start = None
         elif out:
             out[-1].events.append(e)
@@ -104,7 +107,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "ended": a.verdict.get("class"), "cause": a.verdict.get("cause"),
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
-            "recovery_s": recovery(rows), "cadence": cadence(runs, rows),
+            "recovery_s": recovery(rows), "recoveries": recoveries(runs), "cadence": cadence(runs, rows),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
 
@@ -120,6 +123,49 @@ def recovery(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+PHASES = ("detection", "teardown", "verdict", "queue", "startup", "restore", "first_step")
+"""A recovery's parts, from the failed attempt's last step to the next attempt's first (see :func:`recoveries`)."""
+
+
+def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
+    """Each recovery from a failure: seconds per phase, where the next attempt restored from, steps recomputed.
+
+    detection: the failed attempt's last sign of progress → the first rank's end record (at most the true delay: a
+    rank checks in every few steps); teardown: → srun returned; verdict: → its decision; queue: → the next attempt's
+    batch start (a requeue's pending time; ~0 in the allocation); startup: → the restore began (interpreter, torch,
+    process group, model); restore: the restore itself; first_step: → the first step of the next attempt done."""
+    out: list[dict[str, Any]] = []
+    for number, (a, b) in enumerate(pairwise(runs), start=1):
+        end = a.verdict
+        if end.get("class") not in ("infrastructure", None) or a.exit_code in (0, 75) or not b.first_step_t:
+            continue
+        steps = [e["t"] for e in a.events if isinstance(e.get("step"), int) and e["event"] != "attempt_end"]
+        last = max(steps, default=a.start)
+        job_end = next((e["t"] for e in a.times("job_end")), None) or end.get("t") or a.end
+        noticed = min(float(end.get("first_end_t") or job_end), job_end)
+        decided = float(end.get("t") or job_end)
+        begun = b.batch_start or b.start
+        restore = float(b.info.get("restore_s") or 0.0)
+        attempt_t = float(b.info.get("t", begun))
+        marks = [last, noticed, job_end, decided, begun, attempt_t - restore, attempt_t, b.first_step_t]
+        for i in range(1, len(marks)):  # clocks of several machines: each mark at or after the one before
+            marks[i] = max(marks[i], marks[i - 1])
+        times = {k: marks[i + 1] - marks[i] for i, k in enumerate(PHASES)}
+        out.append({"after_attempt": number, "cause": end.get("cause"), "decision": end.get("decision"),
+                    **times, "total_s": marks[-1] - marks[0],
+                    "restored_from": b.info.get("restored_from"), "fetched_bytes": b.info.get("fetched_bytes", 0),
+                    "recomputed_steps": max(0, a.last_step - int(b.info.get("resumed_step") or 0))})
+    return out
+
+
+def describe_recovery(r: dict[str, Any]) -> str:
+    """One line: a recovery's time to the next first step, by phase, and what it restored and recomputed."""
+    parts = ", ".join(f"{k.replace('_', ' ')} {r[k]:.1f}" + (f" from {r['restored_from']}" if k == "restore" and
+                                                             r["restored_from"] else "") for k in PHASES)
+    return (f"recovery after attempt {r['after_attempt']} ({r['decision']}): {r['total_s']:.1f} s from its last step to "
+            f"the next first step ({parts}); {r['recomputed_steps']} step(s) recomputed")
+
+
 def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The auto cadence's last interval, the work it expects an unannounced interruption to lose (half an interval)
     and what such interruptions lost here (attempts that ended without a save or a finish); None without it."""
@@ -132,9 +178,11 @@ def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] |
 
 
 def summary(f: dict[str, Any]) -> dict[str, float]:
-    """The figures a tracker's run summary keeps (goodput and what it is made of)."""
+    """The figures a tracker's run summary keeps (goodput and what it is made of, recoveries by phase)."""
+    phases = {f"recovery/{k}_s": sum(r[k] for r in f["recoveries"]) for k in PHASES} if f["recoveries"] else {}
     return {"goodput": f["goodput"], "productive_node_s": f["productive_node_s"],
-            "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"]}
+            "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"],
+            "recoveries": len(f["recoveries"]), **phases}
 
 
 def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, **more: Any) -> dict[str, Any]:

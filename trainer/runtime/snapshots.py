@@ -20,6 +20,7 @@ from trainer.core.config import Config
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.errors import UserError
+from trainer.runtime.cadence import history
 
 FIRST_EVERY = 10
 """Steps between snapshots before their stall is measured (checkpoint.memory_every_steps=0)."""
@@ -64,7 +65,11 @@ class Snapshots:
         if not wanted(cfg, job):
             return None
         folder = place(job.memory_dir, env.job_id, job.restart_count, run_dir)
-        return cls(MemorySnapshots(env, folder, sharded, model), cfg, env, job, emit)
+        made = cls(MemorySnapshots(env, folder, sharded, model), cfg, env, job, emit)
+        if env.is_main:  # as the auto cadence does: the prior, corrected by the interruptions this run has seen
+            ran, lost, _ = history(run_dir)
+            made.mtbf_s = (ran + made.mtbf_s) / (lost + 1)
+        return made
 
     def check_room(self, objects: dict[str, Any], explicit: bool) -> None:
         """Collective, before the first step: every node has room for the snapshots it will hold, else a UserError

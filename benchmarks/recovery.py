@@ -1,0 +1,186 @@
+"""Recovery from a killed rank on the dev cluster, by path, and the floor any restart pays.
+
+Each run: the built-in trainer on 2 nodes (durable saves every 10 steps, memory snapshots every 2), one rank
+SIGKILLed from outside once a snapshot newer than the last save exists; measured from the run's events: the kill to
+the first step of the next attempt, and that recovery's phases (trainer/runtime/attempts.py ``recoveries``).
+
+- requeue: a plain 2-node job (no snapshots: the next allocation restores from the durable checkpoint);
+- spare: ``spare_nodes=1``, the next attempt starts at once on the spare, restoring from node memory;
+- shrink: ``NODES=2-3`` started on 3 nodes goes on with 2, restoring from node memory;
+- paired with the spare path: torchrun's own restart of its workers (``--max-restarts=1``, one machine, the same
+  trainer restoring from memory) after the same kill: new processes, a rendezvous, a restore, and nothing else.
+
+``python -m benchmarks.recovery`` writes docs/benchmarks-recovery.json and section 8 of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, clean_env, each, machine, pairs, show, splice, spread
+from trainer.runtime.attempts import PHASES, attempts, recoveries
+
+ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
+        "train.log_every=8", "tracking.mode=disabled", "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2",
+        "checkpoint.poll_steps=1"]
+FAULTS = "step_delay_s=0.3"
+
+
+def events_of(run: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def ready(run: Path, memory: bool) -> bool:
+    """The first attempt has a snapshot newer than its last durable save (without snapshots: a save and 2 steps)."""
+    ev = events_of(run)
+    saved = max((e["step"] for e in ev if e["event"] == "checkpoint"), default=0)
+    if not saved:
+        return False
+    if memory:
+        return any(e["event"] == "snapshot" and e["step"] > saved for e in ev)
+    return any(e["event"] == "progress" and e["step"] >= saved + 2 for e in ev)
+
+
+def kill(match: Callable[[dict[str, str]], bool]) -> float:
+    """SIGKILL the one trainer process whose environment matches; the time of the kill."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+            argv = (proc / "cmdline").read_text().split("\0")
+        except (OSError, ValueError):
+            continue
+        if "python" in Path(argv[0]).name and argv[1:3] == ["-m", "trainer"] and match(env):
+            os.kill(int(proc.name), signal.SIGKILL)
+            return time.time()
+    raise RuntimeError("no trainer process to kill")
+
+
+def measured(run: Path, killed_at: float) -> dict[str, Any]:
+    """Kill → the next attempt's first step, and the recovery's phases."""
+    first = min(e["t"] for e in events_of(run) if e["event"] == "first_step" and e["t"] > killed_at)
+    found = recoveries(attempts(run))
+    return {"kill_to_first_step_s": first - killed_at, "recovery": found[-1] if found else None}
+
+
+def slurm_run(path: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One job on the dev cluster along ``path``; its kill → first step and phases."""
+    run = Path(tempfile.mkdtemp(dir=tmp)) / "run"
+    sets = {"requeue": [], "spare": ["--set", "spare_nodes=1"], "shrink": ["--nodes", "2-3"]}[path]
+    memory = path != "requeue"
+    args = [*ARGS, f"run.dir={run}", f"checkpoint.memory={'on' if memory else 'off'}"]
+    out = subprocess.run([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", "--launcher", "sbatch", *sets,
+                          "--", *args], cwd=ROOT, env={**env, "TRAINER_FAULTS": FAULTS}, capture_output=True,
+                         text=True, check=True).stdout
+    job = out.split("submitted job ")[1].split()[0]
+    wait_until(lambda: ready(run, memory), 240, f"job {job}'s first snapshot")
+    killed_at = kill(lambda e: e.get("SLURM_JOB_ID") == job and e.get("SLURM_PROCID") == "1")
+    wait_until(lambda: (run / "result.json").exists(), 300, f"job {job} to finish")
+    return {"path": path, "job": job, **measured(run, killed_at)}
+
+
+def torchrun_run(tmp: Path) -> dict[str, Any]:
+    """The same training under a local torchrun that restarts its workers after the kill."""
+    run = Path(tempfile.mkdtemp(dir=tmp)) / "run"
+    env = {**clean_env(), "TRAINER_FAULTS": FAULTS, "TRAINER_MEMORY_DIR": str(run.parent / "shm")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=1", "-m", "trainer", *ARGS, f"run.dir={run}", "checkpoint.memory=on"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: ready(run, True), 240, "torchrun's first snapshot")
+        killed_at = kill(lambda e: e.get("RANK") == "1" and "TORCHELASTIC_RUN_ID" in e)
+        if proc.wait(timeout=300):
+            raise RuntimeError(f"torchrun ended with {proc.returncode}")
+    finally:
+        proc.kill()
+    return {"path": "torchrun", **measured(run, killed_at)}
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def measure(repeats: int, tmp: Path) -> dict[str, Any]:
+    """Every path ``repeats`` times; the spare path and torchrun as interleaved pairs."""
+    status = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "env"], capture_output=True, text=True)
+    if status.returncode:
+        return {"skipped": "the dev cluster is down (make dev-cluster)"}
+    env = clean_env()
+    for line in status.stdout.splitlines():
+        if line.startswith("export "):
+            k, v = line[len("export "):].split("=", 1)
+            env[k] = v.strip("'\"")
+    env["TRAINER_SUSPECTS"] = str(tmp / "suspects.json")  # the benchmark's kills blame nobody's nodes
+    done = pairs(repeats, lambda: slurm_run("spare", tmp, env), lambda: torchrun_run(tmp))
+    runs = [r for p in done for r in p]
+    for path in ("shrink", "requeue"):
+        runs += [slurm_run(path, tmp, env) for _ in range(repeats)]
+    ratio = spread([s["kill_to_first_step_s"] / t["kill_to_first_step_s"] for s, t in done])
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats, "runs": runs,
+            "spare_vs_torchrun": ratio, "command": f"python -m benchmarks.recovery --repeats {repeats}"}
+
+
+def section(r: dict[str, Any] | None) -> list[str]:
+    """Section 8 of docs/benchmarks.md."""
+    out = ["## 8. Recovery from a killed rank", ""]
+    if r is None or "skipped" in r:
+        return out + [f"Not measured: {r['skipped'] if r else 'run python -m benchmarks.recovery'}.", ""]
+    m = r["machine"]
+    out += [f"Measured by `{r['command']}` on {r['date']} ({m['cpu']}, {m['cores']} cores): the dev cluster's 2-node "
+            "jobs (every node a slurmd on this one machine), one rank SIGKILLed from outside after a memory snapshot "
+            "newer than the last durable save; seconds from the kill to the next attempt's first step, median (min–max) "
+            "over the runs, and the median of each phase (trainer/runtime/attempts.py).", "",
+            "| path | restored from | kill → first step (s) | " + " | ".join(PHASES) + " | steps recomputed |",
+            "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+    for path in ("spare", "shrink", "requeue", "torchrun"):
+        rows = [x for x in r["runs"] if x["path"] == path]
+        if not rows:
+            continue
+        rec = [x["recovery"] for x in rows if x["recovery"]]
+        phases = " | ".join(f"{statistics.median(x[k] for x in rec):.2f}" if rec else "-" for k in PHASES)
+        where = rec[0]["restored_from"] if rec else "-"
+        steps = statistics.median(x["recomputed_steps"] for x in rec) if rec else "-"
+        out.append(f"| {path} | {where} | {show(spread([x['kill_to_first_step_s'] for x in rows]), '{:.1f}')} | "
+                   f"{phases} | {steps} |")
+    ratio = r["spare_vs_torchrun"]
+    out += ["", f"Spare node against torchrun's own restart of its workers (`--max-restarts=1`, one machine, the same "
+            f"trainer restoring from memory) after the same kill, interleaved pairs: **{show(ratio)}** (pairs: "
+            f"{each(ratio)}). torchrun's restart is the floor any restart pays (new processes, a rendezvous, a "
+            "restore); the spare path adds srun's own teardown of the step, the verdict, and a new job step.", ""]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    a = parser.parse_args()
+    with tempfile.TemporaryDirectory() as t:
+        results = measure(a.repeats, Path(t))
+    (a.out / "benchmarks-recovery.json").write_text(json.dumps(results, indent=1))
+    md = a.out / "benchmarks.md"
+    if md.exists():
+        splice(md, section(results))
+    print("\n".join(section(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
