@@ -130,13 +130,15 @@ def requeue(job: str, exclude: list[str] | None) -> str | None:
 
 
 def clean_memory(job: str, hosts: list[str]) -> None:
-    """Remove the job's memory snapshots (trainer/checkpoint/memory.py) on ``hosts``, one task per node; best effort
-    (a node that is gone has lost them anyway): snapshots never outlive the allocation."""
+    """Remove the job's memory snapshots (trainer/checkpoint/memory.py) on ``hosts``, one task per node, each its own
+    node's folder only (nodes that share a /dev/shm, as the dev cluster's do, keep each other's); best effort (a node
+    that is gone has lost them anyway): snapshots never outlive the allocation."""
     if not hosts:
         return
     root = os.environ.get("TRAINER_MEMORY_DIR") or "/dev/shm"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["srun", "--overlap", f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
                         "--ntasks-per-node=1", "--kill-on-bad-exit=0", "bash", "-c",
-                        'rm -rf "$1/trainer-snapshots-$2/$3"-*', "clean", root, str(os.getuid()), job],
+                        'rm -rf "$1/trainer-snapshots-$2/$3"-*/"$SLURMD_NODENAME"', "clean", root, str(os.getuid()),
+                        job],
                        capture_output=True, timeout=20)

@@ -150,7 +150,7 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
                + (f" --storm-after {p.storm_after}" if p.storm_after != 3 else "")
                + (f" --min-nodes {p.min_nodes}" if p.ranged else ""))
     if p.in_place:
-        verdict = f'next=$({verdict} --in-place --most {p.nodes}{"" if p.ranged else f" --min-nodes {p.nodes}"})'
+        verdict = f'next=$({verdict} --in-place --least {p.min_nodes if p.ranged else p.nodes} --most {p.nodes})'
     # trap '' TERM: a requeue signals this shell too; it must live to exclude the blamed nodes (inherited by the verdict).
     lines = ["trap '' TERM", f"verdict=0; {verdict} || verdict=$?"]
     if p.container.runtime != "none":  # the host's python3 may be missing: the plain rule still requeues a saved run

@@ -255,7 +255,7 @@ def _verdict(ns: argparse.Namespace) -> int:
     if action == "requeue" and v.kind == exits.INFRASTRUCTURE and v.blame:
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)
     allocation = nodes.hostnames(env.get("SLURM_JOB_NODELIST", ""))
-    shape = placement.Shape(ns.min_nodes or ns.need, ns.most or ns.need, ns.in_place or ns.need > 0)
+    shape = placement.Shape(ns.least or ns.need, ns.most or ns.need, ns.in_place or ns.need > 0)
     if action == "requeue":
         # Nodes to avoid, most important first (ExcNodeList last: room permitting, the job keeps avoiding it).
         order = placement.blame_order(v.blame, [e.get("blamed") or [] for e in before],
@@ -266,7 +266,7 @@ def _verdict(ns: argparse.Namespace) -> int:
             _record(run_dir, ns.phase, restart, job, v, "restart_here", why)
             print(f"restart-here: {','.join(inside.avoid)}", flush=True)
             return 0
-        action, why = _requeue(job, info, seen, order, shape.lo if ns.min_nodes else 0, why)
+        action, why = _requeue(job, info, seen, order, ns.min_nodes, why)
     if shape.in_place:  # the job ends or starts again elsewhere: no node keeps its snapshots
         nodes.clean_memory(job, allocation)
     _record(run_dir, ns.phase, restart, job, v, action, why)
@@ -377,10 +377,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop after this many attempts in a row end before passing their starting step (0: never)")
     p.add_argument("--in-place", action="store_true",
                    help="the batch script restarts inside the allocation (spare nodes, a node range)")
-    p.add_argument("--most", type=int, default=0, help="the most nodes an attempt runs on (in place)")
+    p.add_argument("--least", type=int, default=0, help="the fewest nodes an attempt may train on (in place)")
+    p.add_argument("--most", type=int, default=0, help="the most nodes an attempt trains on (in place)")
     p.add_argument("--need", type=int, default=0, help="nodes per attempt of a job with spare nodes (in place)")
     p.add_argument("--min-nodes", type=int, default=0,
-                   help="the fewest nodes the job may start on (a node range; Slurm shows the allocated count)")
+                   help="the fewest nodes a requeued job may start on, spares included (a node range; Slurm shows the "
+                        "allocated count)")
     p.add_argument("--avoid", default="", help="(ignored: the event log holds the job's blames)")
     return p
 

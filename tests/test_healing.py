@@ -47,9 +47,11 @@ def events(run: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def kill_rank(job: str, rank: int | None, restart: int, script: str | None = None, not_on: str = "") -> str:
-    """SIGKILL the training process of ``rank`` (None: of any rank not on node ``not_on``) in attempt ``restart`` of
-    ``job`` (``script``: the command's own process, under `python -m trainer.launch`); return its Slurm node name."""
+def kill_rank(job: str, rank: int | None, restart: int, script: str | None = None, not_on: str = "",
+              sig: signal.Signals = signal.SIGKILL) -> str:
+    """SIGKILL (or ``sig``) the training process of ``rank`` (None: of any rank not on node ``not_on``) in attempt
+    ``restart`` of ``job`` (``script``: the command's own process, under `python -m trainer.launch`); return its
+    Slurm node name."""
     for proc in Path("/proc").iterdir():
         try:
             env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
@@ -62,7 +64,7 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
         trainer = "python" in Path(argv[0]).name and (
             argv[1:2] == [script] if script else "-m" in argv and "cluster.verdict" not in argv)
         if ours and which and trainer:
-            os.kill(int(proc.name), signal.SIGKILL)
+            os.kill(int(proc.name), sig)
             return env["SLURMD_NODENAME"]
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
 
@@ -229,13 +231,14 @@ def test_single_kills_in_two_jobs_leave_the_partition_usable(slurm_env: dict[str
 
 
 def snapshotted(run: Path, attempt: int) -> int | None:
-    """The step of a memory snapshot newer than every durable checkpoint in attempt number ``attempt``, if any."""
-    starts = [e["t"] for e in events(run, "attempt")]
+    """The step of a memory snapshot of attempt number ``attempt`` newer than every durable checkpoint, if any."""
+    starts = events(run, "attempt")
     if len(starts) <= attempt:
         return None
-    saved = max((e["step"] for e in events(run, "checkpoint") if e["t"] > starts[attempt]), default=0)
-    snaps = [e["step"] for e in events(run, "snapshot") if e["t"] > starts[attempt] and e["step"] > saved]
-    return max(snaps) if snaps and saved else None
+    begun = starts[attempt]
+    saved = max([int(begun["resumed_step"]), *(e["step"] for e in events(run, "checkpoint") if e["t"] > begun["t"])])
+    snaps = [e["step"] for e in events(run, "snapshot") if e["t"] > begun["t"] and e["step"] > saved]
+    return max(snaps) if snaps else None
 
 
 # Durable saves every 10 steps, memory snapshots every 2: a kill lands after a snapshot newer than the last save.
@@ -365,23 +368,13 @@ def test_a_jobs_life_of_kills_a_stop_and_a_preemption_ends_as_if_uninterrupted(
     env = {**slurm_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
     job = submit(env, "sbatch", [*MEMORY, f"run.dir={run}", "checkpoint.poll_steps=1", "dist.heartbeat_timeout_s=6"],
                  ["spare_nodes=1", "max_failures=10"])
-    wait_for(lambda: progressed(run, 3), what="3 steps")
+    wait_for(lambda: snapshotted(run, 0), what="a snapshot newer than the last save")
     kill_rank(job, 1, 0)
     wait_for(lambda: len(events(run, "attempt")) == 2 and progressed(run, 2), what="2 steps of attempt 0.1")
-    for proc in Path("/proc").iterdir():  # stop rank 0 (another node than the kill's): it never answers again
-        try:
-            environ = (proc / "environ").read_text()
-        except OSError:
-            continue
-        if f"SLURM_JOB_ID={job}\0" in environ and "SLURM_PROCID=0\0" in environ and "TRAINER_ATTEMPT=0.1\0" in environ \
-                and "-m\0trainer" in (proc / "cmdline").read_text():
-            os.kill(int(proc.name), signal.SIGSTOP)
-            break
-    else:
-        raise AssertionError("no rank 0 process of attempt 0.1")
+    kill_rank(job, 0, 0, sig=signal.SIGSTOP)  # rank 0, on another node than the kill's: it never answers again
     wait_for(lambda: len(events(run, "attempt")) == 3 and progressed(run, 2), what="2 steps of attempt 0.2")
     assert sh(["scancel", "--signal=USR2", job], env).returncode == 0
-    wait_for(lambda: len(events(run, "attempt")) == 4 and progressed(run, 2), timeout=240, what="the requeued attempt")
+    wait_for(lambda: snapshotted(run, 3), timeout=240, what="a snapshot of the requeued attempt")
     kill_rank(job, 1, 1)
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result

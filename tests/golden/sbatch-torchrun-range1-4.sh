@@ -56,7 +56,7 @@ while :; do
     if (( rc )); then
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
-      verdict=0; next=$(<python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --most 4) || verdict=$?
+      verdict=0; next=$(<python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
       if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
       exit "$verdict"
     fi
@@ -72,7 +72,7 @@ while :; do
   job_event job_end ", \"code\": $rc"
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
-  verdict=0; next=$(<python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --most 4) || verdict=$?
+  verdict=0; next=$(<python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
   if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
   exit "$verdict"
 done
