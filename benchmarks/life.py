@@ -58,7 +58,8 @@ def _trainer(job: str, rank: int) -> int | None:
             argv = (proc / "cmdline").read_text().split("\0")
         except (OSError, ValueError):
             continue
-        if env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(rank) and argv[1:3] == ["-m", "trainer"]:
+        if env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(rank) and "python" in Path(argv[0]).name \
+                and argv[1:3] == ["-m", "trainer"]:
             return int(proc.name)
     return None
 

@@ -63,7 +63,8 @@ def kill(match: Callable[[dict[str, str]], bool]) -> float:
             argv = (proc / "cmdline").read_text().split("\0")
         except (OSError, ValueError):
             continue
-        if "python" in Path(argv[0]).name and argv[1:3] == ["-m", "trainer"] and match(env):
+        module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None  # torchrun's workers run python -u -m
+        if "python" in Path(argv[0]).name and module == "trainer" and match(env):
             os.kill(int(proc.name), signal.SIGKILL)
             return time.time()
     raise RuntimeError("no trainer process to kill")

@@ -3,11 +3,17 @@ the trainer writes."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
 
-from .conftest import AUDIT, SMALL, ok, result_of, run_trainer
+from .conftest import AUDIT, SMALL, clean_env, faults, ok, result_of, run_trainer
 
 
 def test_two_processes_train_identical_weights_and_learn(tmp_path: Path) -> None:
@@ -108,3 +114,41 @@ def test_the_same_master_port_right_after_another_run_is_no_error(tmp_path: Path
                             tmp_path, env={"MASTER_PORT": port})
         outs = [p.communicate(timeout=120)[0] for p in ranks]
         assert [p.returncode for p in ranks] == [0, 0], outs
+
+
+def test_torchrun_restarting_its_workers_continues_the_run(tmp_path: Path) -> None:
+    """torchrun --max-restarts=1: a worker SIGKILLed, the agent starts both again in a new round of its rendezvous
+    (its store still holds the first round's keys, which must not answer) and they continue from the checkpoint."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=1", "-m", "trainer", *SMALL, "train.epochs=2", "checkpoint.every_steps=4",
+                             f"run.dir={run}"], cwd=tmp_path, env=clean_env(faults(step_delay_s=0.2)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.1)
+        worker = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _env_of(p).get("RANK") == "1"
+                      and _env_of(p).get("TORCHELASTIC_RUN_ID") and str(run) in _cmdline(p))
+        os.kill(worker, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and result_of(run)["outcome"] == "finished"
+
+
+def _env_of(proc: Path) -> dict[str, str]:
+    try:
+        return dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+    except (OSError, ValueError):
+        return {}
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_text()
+    except OSError:
+        return ""

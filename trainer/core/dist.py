@@ -85,14 +85,21 @@ def _join(env: DistEnv, backend: str, timeout: timedelta, device: torch.device) 
             except OSError as exc:
                 raise _port_error(env, f"cannot listen on it ({exc.strerror})") from None
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    target: dict[str, Any] = {"init_method": f"tcp://{host}:{env.master_port}"}
+    if env.agent:
+        # torchrun's agent keeps one store for every round of its workers: after a restart (--max-restarts) the
+        # first round's keys (its ranks' addresses) would still answer. Each round gets keys of its own.
+        agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,  # type: ignore[attr-defined]
+                                    timeout=timeout)
+        target = {"store": dist.PrefixStore(f"trainer/round_{env.agent_restart}", agent_store)}  # type: ignore[attr-defined]
     try:
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{host}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            **target,
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError: refused, reset, timed out
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

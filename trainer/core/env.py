@@ -22,7 +22,8 @@ Source = Literal["torchrun", "slurm", "single"]
 
 TRAINER_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+    "SLURM_NODEID", "SLURM_NNODES",
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURM_STEP_ID",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
@@ -53,6 +54,8 @@ class DistEnv:
     source: Source
     agent: bool = False
     """Started by torchrun's agent (TORCHELASTIC_RUN_ID set), which itself holds MASTER_PORT on the head node."""
+    agent_restart: int = 0
+    """TORCHELASTIC_RESTART_COUNT: how often the agent restarted its workers (its store keeps earlier rounds' keys)."""
 
     @property
     def is_main(self) -> bool:
@@ -271,6 +274,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         job_id=env.get("SLURM_JOB_ID"),
         source="torchrun",
         agent=env.get("TORCHELASTIC_RUN_ID") is not None,
+        agent_restart=_int(env, "TORCHELASTIC_RESTART_COUNT", "set by torchrun", default=0),
     )
     names = {"world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK", "node_rank": "GROUP_RANK"}
     return _check(result, names, hint)
