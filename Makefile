@@ -83,11 +83,12 @@ resubmit: venv  ## submit a run again in its folder (it resumes): RUN=… ARGS="
 doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
 	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container '$(CONTAINER)') $(ARGS)
 
-dev-cluster:  ## start a real 3-node Slurm (with accounting) on this machine (root, Debian/Ubuntu)
-	bash slurm/dev-cluster.sh up
+SLURM ?=
+dev-cluster:  ## start a real 3-node Slurm (with accounting) on this machine (root, Debian/Ubuntu): SLURM=24.11|26.05 from a Debian root
+	SLURM='$(SLURM)' bash slurm/dev-cluster.sh up
 
-dev-cluster-down:  ## stop the dev cluster and remove its state
-	bash slurm/dev-cluster.sh down
+dev-cluster-down:  ## stop the dev cluster and remove its state (SLURM=… for another version's)
+	SLURM='$(SLURM)' bash slurm/dev-cluster.sh down
 
 RUN ?=
 report: venv  ## a run's report (report.html with plots, goodput): RUN=runs/<id>

@@ -83,14 +83,21 @@ def slurm_run(path: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     sets = {"requeue": [], "spare": ["--set", "spare_nodes=1"], "shrink": ["--nodes", "2-3"]}[path]
     memory = path != "requeue"
     args = [*ARGS, f"run.dir={run}", f"checkpoint.memory={'on' if memory else 'off'}"]
+    # Every node idle first: a node still completing the last job would start NODES=2-3 on 2 nodes (no shrink).
+    wait_until(lambda: set(subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
+                                          text=True).stdout.split()) == {"idle"}, 60, "idle nodes")
+    # Its own suspects list: the runs kill the same rank again and again, which would make its node suspect.
+    own = {**env, "TRAINER_FAULTS": FAULTS, "TRAINER_SUSPECTS": str(run.parent / "suspects.json")}
     out = subprocess.run([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", "--launcher", "sbatch", *sets,
-                          "--", *args], cwd=ROOT, env={**env, "TRAINER_FAULTS": FAULTS}, capture_output=True,
-                         text=True, check=True).stdout
+                          "--", *args], cwd=ROOT, env=own, capture_output=True, text=True, check=True).stdout
     job = out.split("submitted job ")[1].split()[0]
     wait_until(lambda: ready(run, memory), 240, f"job {job}'s first snapshot")
     killed_at = kill(lambda e: e.get("SLURM_JOB_ID") == job and e.get("SLURM_PROCID") == "1")
     wait_until(lambda: (run / "result.json").exists(), 300, f"job {job} to finish")
-    return {"path": path, "job": job, **measured(run, killed_at)}
+    got = measured(run, killed_at)
+    if path == "shrink" and got["recovery"] and got["recovery"]["decision"] != "restart_here":
+        raise RuntimeError(f"job {job} did not shrink in place: {got['recovery']['decision']}")
+    return {"path": path, "job": job, **got}
 
 
 def torchrun_run(tmp: Path) -> dict[str, Any]:
@@ -128,7 +135,6 @@ def measure(repeats: int, tmp: Path) -> dict[str, Any]:
         if line.startswith("export "):
             k, v = line[len("export "):].split("=", 1)
             env[k] = v.strip("'\"")
-    env["TRAINER_SUSPECTS"] = str(tmp / "suspects.json")  # the benchmark's kills blame nobody's nodes
     done = pairs(repeats, lambda: slurm_run("spare", tmp, env), lambda: torchrun_run(tmp))
     runs = [r for p in done for r in p]
     for path in ("shrink", "requeue"):

@@ -9,6 +9,10 @@
 #   slurm/dev-cluster.sh status   sinfo, or "down" (exit 1)
 #   slurm/dev-cluster.sh down     stop every daemon it started (by pid) and remove the state folder
 #
+# SLURM=24.11 or SLURM=26.05 (any command): the same cluster on that Slurm, from a Debian root built once
+# (slurm/dev-cluster-root.sh); its state folder is DEV_CLUSTER_DIR's default with "-<version>" added, so versions run
+# side by side. Without SLURM: this machine's own Slurm (Debian 12's 22.05 here).
+#
 # Everything (configs, spool, logs, pid files, munge key and socket, mariadb datadir) lives in
 # DEV_CLUSTER_DIR (default ${TMPDIR:-/tmp}/slurm-ddp-dev-cluster). Several clusters can run side by
 # side with different DEV_CLUSTER_DIRs: each picks its own free ports and its own munge socket.
@@ -25,8 +29,11 @@
 set -euo pipefail
 # Daemons live in sbin, which some shells (sudo, containers) leave out of PATH.
 PATH="$PATH:/usr/sbin:/sbin"
+# shellcheck source=slurm/dev-cluster-root.sh
+source "$(dirname "${BASH_SOURCE[0]}")/dev-cluster-root.sh"
+resolve_version
 
-STATE="${DEV_CLUSTER_DIR:-${TMPDIR:-/tmp}/slurm-ddp-dev-cluster}"
+STATE="${DEV_CLUSTER_DIR:-${TMPDIR:-/tmp}/slurm-ddp-dev-cluster${ROOT_SUITE:+-$SLURM_VERSION}}"
 CLUSTER=ddpdev                  # ClusterName in slurm.conf and slurmdbd
 NODES=(n1 n2 n3)
 PORT_BASE="${DEV_CLUSTER_PORT_BASE:-30817}"
@@ -270,7 +277,22 @@ EOF
 
 IN_NS=()  # command prefix that runs a program inside the namespace (empty in /etc/hosts mode)
 
+# Runs a program of the cluster's Slurm, munge or MariaDB: inside the root for another version, else here.
+run() { "${IN_NS[@]}" "$@"; }
+
+# In a later invocation (status, down): join the root's namespace of a cluster that runs from a root.
+join_root() {
+    local pid
+    if [[ -n "$ROOT_SUITE" ]] && pid="$(live_pid ns sleep)"; then
+        IN_NS=(nsenter --target "$pid" --mount --root --wd="$STATE" --)
+    fi
+}
+
 start_namespace() {
+    if [[ -n "$ROOT_SUITE" ]]; then
+        start_root_namespace
+        return
+    fi
     if [[ "${DEV_CLUSTER_HOSTS:-namespace}" == namespace ]] &&
         unshare --mount --propagation private true 2>/dev/null; then
         # A "sleep infinity" holds the namespace open; daemons join it with nsenter.
@@ -313,13 +335,13 @@ spawn() {
 # ---------------------------------------------------------------------------------------------
 
 start_munge() {
-    mungekey --create --keyfile="$MUNGE_DIR/munge.key" >/dev/null
+    run mungekey --create --keyfile="$MUNGE_DIR/munge.key" >/dev/null
     chmod 600 "$MUNGE_DIR/munge.key"
     spawn "$LOG_DIR/munged.out" munged --key-file="$MUNGE_DIR/munge.key" --socket="$MUNGE_SOCK" \
         --pid-file="$PID_DIR/munged.pid" --log-file="$LOG_DIR/munged.log" \
         --seed-file="$MUNGE_DIR/munged.seed"
     # shellcheck disable=SC2016  # $1 belongs to the inner shell
-    wait_for 10 munged bash -c 'munge -S "$1" -n | unmunge -S "$1"' _ "$MUNGE_SOCK" || return 1
+    wait_for 10 munged run bash -c 'munge -S "$1" -n | unmunge -S "$1"' _ "$MUNGE_SOCK" || return 1
 }
 
 start_mariadb() {
@@ -330,15 +352,15 @@ start_mariadb() {
     local innodb=(--innodb-buffer-pool-size=32M --innodb-log-file-size=8M
         --innodb-data-file-path=ibdata1:4M:autoextend --innodb-lock-wait-timeout=900)
     # --no-defaults everywhere: the machine's /etc/mysql config (socket, datadir) is not ours.
-    mariadb-install-db --no-defaults --datadir="$DB_DIR/data" --user=root \
+    run mariadb-install-db --no-defaults --datadir="$DB_DIR/data" --user=root \
         --auth-root-authentication-method=normal --skip-test-db "${innodb[@]}" \
         >"$LOG_DIR/mariadb-install.log" 2>&1 || { tail -20 "$LOG_DIR/mariadb-install.log" >&2; return 1; }
     spawn "$LOG_DIR/mariadbd.out" mariadbd --no-defaults --user=root --datadir="$DB_DIR/data" \
         --socket="$DB_SOCK" --pid-file="$PID_DIR/mariadbd.pid" --log-error="$LOG_DIR/mariadbd.log" \
         --port="$port" --bind-address=127.0.0.1 --skip-name-resolve "${innodb[@]}"
-    wait_for 30 mariadbd mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping || return 1
+    wait_for 30 mariadbd run mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping || return 1
     # slurmdbd connects over TCP to 127.0.0.1 (it has no socket-path setting).
-    mariadb --no-defaults --socket="$DB_SOCK" -u root -e "
+    run mariadb --no-defaults --socket="$DB_SOCK" -u root -e "
         CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
 }
@@ -346,13 +368,13 @@ start_mariadb() {
 start_slurmdbd() {
     spawn "$LOG_DIR/slurmdbd.out" slurmdbd
     # No "sacctmgr add cluster": slurmctld registers the cluster itself when it first connects.
-    wait_for 30 slurmdbd sacctmgr -n list cluster || return 1
+    wait_for 30 slurmdbd run sacctmgr -n list cluster || return 1
 }
 
 start_slurmctld() {
     # -i: ignore state files from an older cluster in this folder (there are none after "down").
     spawn "$LOG_DIR/slurmctld.out" slurmctld -f "$CONF" -i
-    wait_for 20 slurmctld bash -c 'scontrol ping | grep -q UP' || return 1
+    wait_for 20 slurmctld run bash -c 'scontrol ping | grep -q UP' || return 1
 }
 
 start_slurmd() {
@@ -366,7 +388,7 @@ start_slurmd() {
 
 nodes_idle() {
     local states
-    states="$(sinfo -h -N -o '%N %T' | sort -u)"
+    states="$(run sinfo -h -N -o '%N %T' | sort -u)"
     [[ "$states" == "$(printf '%s idle\n' "${NODES[@]}")" ]]
 }
 
@@ -374,8 +396,8 @@ nodes_idle() {
 # only warns when slurmdbd is unreachable).
 accounting_ok() {
     local err
-    sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER" &&
-        err="$(sacct -n -X -o JobID 2>&1 >/dev/null)" && [[ -z "$err" ]]
+    run sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER" &&
+        err="$(run sacct -n -X -o JobID 2>&1 >/dev/null)" && [[ -z "$err" ]]
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +421,10 @@ cluster_state() {
 
 print_env() {
     printf 'export SLURM_CONF=%q\n' "$CONF"
+    if [[ -n "$ROOT_SUITE" ]]; then  # this version's commands, from its root
+        # shellcheck disable=SC2016  # $PATH expands where the line is evaluated
+        printf 'export PATH=%q:"$PATH"\n' "$STATE/bin"
+    fi
 }
 
 cmd_env() {
@@ -410,7 +436,7 @@ cmd_status() {
     local rc=0
     cluster_state || rc=$?
     case "$rc" in
-        0) SLURM_CONF="$CONF" sinfo -N -l && return 0 ;;
+        0) join_root; SLURM_CONF="$CONF" run sinfo -N -l && return 0 ;;
         1) echo "dev cluster is down ($STATE)"; return 1 ;;
         *)
             echo "dev cluster is partly down ($STATE); dead:"
@@ -448,7 +474,15 @@ cmd_up() {
     local t0=$SECONDS
     mkdir -p "$STATE" "$MUNGE_DIR" "$DB_DIR" "$LOG_DIR" "$PID_DIR" "$SPOOL/slurmctld"
     touch "$STATE/$MARKER"
-    install_missing
+    if [[ -n "$ROOT_SUITE" ]]; then
+        # shellcheck disable=SC2046  # one package per word
+        ROOT="$(bash "$HERE/debian-root.sh" "$ROOT_SUITE" $(root_packages "$ROOT_SUITE"))" ||
+            die "the Debian $ROOT_SUITE root for Slurm $SLURM_VERSION could not be built (above: which step, and how to retry)"
+        echo "$ROOT" >"$STATE/root"
+    else
+        install_missing
+    fi
+    echo "$SLURM_VERSION" >"$STATE/version"
     # munged wants its socket folder searchable by all (any user's sbatch talks to it) and
     # writable by no one else; the key itself is mode 600.
     chmod 755 "$STATE" "$MUNGE_DIR"
@@ -462,6 +496,7 @@ cmd_up() {
     export SLURM_CONF="$CONF"
 
     start_namespace
+    [[ -z "$ROOT_SUITE" ]] || check_job_python
     if ! { start_munge && start_mariadb "${ports[2]}" "$db_pass" && start_slurmdbd &&
         start_slurmctld && start_slurmd && wait_for 20 "accounting" accounting_ok; }; then
         local f
@@ -479,7 +514,7 @@ print_up() {
     local ports
     ports="$(tr '\n' ' ' <"$PORTS_FILE")"
     cat <<EOF
-dev cluster '$CLUSTER' is up: nodes ${NODES[*]}, partition dev (default), accounting on
+dev cluster '$CLUSTER' is up: Slurm $SLURM_VERSION${ROOT_SUITE:+ (Debian $ROOT_SUITE root)}, nodes ${NODES[*]}, partition dev (default), accounting on
 state folder: $STATE   (ports: ${ports% })
 use it from a shell with:
   $(print_env)
@@ -492,15 +527,16 @@ stop_all() {
     local d pid pids=() left=()
     # Cancel jobs first so slurmstepd and job processes end cleanly (and in /etc/hosts mode,
     # where there is no namespace to sweep, at all).
+    join_root
     if live_pid slurmctld slurmctld >/dev/null; then
         local jobs
-        jobs="$(SLURM_CONF="$CONF" timeout 5 squeue -h -o %A 2>/dev/null || true)"
+        jobs="$(SLURM_CONF="$CONF" timeout 5 "${IN_NS[@]}" squeue -h -o %A 2>/dev/null || true)"
         if [[ -n "$jobs" ]]; then
             # shellcheck disable=SC2086  # one job id per word
-            SLURM_CONF="$CONF" timeout 5 scancel $jobs 2>/dev/null || true
+            SLURM_CONF="$CONF" timeout 5 "${IN_NS[@]}" scancel $jobs 2>/dev/null || true
             local deadline=$((SECONDS + 5))
             while ((SECONDS < deadline)) &&
-                [[ -n "$(SLURM_CONF="$CONF" timeout 5 squeue -h -o %A 2>/dev/null || true)" ]]; do
+                [[ -n "$(SLURM_CONF="$CONF" timeout 5 "${IN_NS[@]}" squeue -h -o %A 2>/dev/null || true)" ]]; do
                 sleep 0.2
             done
         fi
