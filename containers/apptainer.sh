@@ -46,16 +46,21 @@ cmd_up() {
     mkdir -p "$STATE"
     touch "$MARKER"
     local root binds=()
-    root="$(bash "$HERE/debian-root.sh" "$SUITE" apptainer squashfs-tools squashfuse fuse2fs fuse-overlayfs \
+    root="$(bash "$HERE/debian-root.sh" "apptainer=$SUITE" apptainer squashfs-tools squashfuse fuse2fs fuse-overlayfs gocryptfs \
         ca-certificates)" || die "the Debian $SUITE root for Apptainer could not be built (above: which step, and how to retry)"
     mapfile -t binds < <(printf '%s\n' "$PROJECT" /tmp "$HOME" | awk '!seen[$0]++')
     [[ "$STATE" == /tmp/* ]] || binds+=("$STATE")
     enter_root "$root" "" "$PIDFILE" "$STATE/ns.log" "${binds[@]}" >/dev/null ||
         die "could not enter the root $root (see $STATE/ns.log)"
-    write_wrappers "$STATE/bin" "$PIDFILE" "Apptainer (Debian $SUITE)" apptainer
-    # Root at the wrapper: a user namespace, as an unprivileged user gets (see the header).
+    # Root at the wrapper: a user namespace, as an unprivileged user gets (see the header). Containers see the
+    # caller's /etc/hosts (the dev cluster's node names live in its namespace's, not in this root's).
+    local prelude
     # shellcheck disable=SC2016  # written into the wrapper as is
-    sed -i 's|^exec nsenter|[[ $(id -u) != 0 ]] \|\| export APPTAINER_USERNS=1\nexec nsenter|' "$STATE/bin/apptainer"
+    prelude='[[ $(id -u) != 0 ]] || export APPTAINER_USERNS=1
+hosts="'"$STATE"'/hosts-$(md5sum </etc/hosts | cut -c1-12)"
+[[ -s $hosts ]] || { cp /etc/hosts "$hosts.$$" && mv "$hosts.$$" "$hosts"; }
+export APPTAINER_BIND="${APPTAINER_BIND:+$APPTAINER_BIND,}$hosts:/etc/hosts"'
+    write_wrappers "$STATE/bin" "$PIDFILE" "Apptainer (Debian $SUITE)" "$prelude" apptainer
     "$STATE/bin/apptainer" --version >&2 || die "apptainer does not answer inside the root (see $STATE/ns.log)"
     say "up: $STATE/bin/apptainer"
     print_env

@@ -3,22 +3,25 @@
 # cluster runs another Slurm version's daemons and commands inside one (slurm/dev-cluster.sh, SLURM=24.11|26.05),
 # and Apptainer runs from one (containers/apptainer.sh): no image registry is needed, only Debian's archive.
 #
-#   slurm/debian-root.sh SUITE PACKAGE...    prints the root's path; builds it first when it is missing
+#   slurm/debian-root.sh [NAME=]SUITE PACKAGE...    prints the root's path; builds it first when it is missing
 #
+# NAME (default: the suite) names the root in the cache, so roots of one suite with other packages live apart.
 # Settings (environment): DEV_CLUSTER_ROOTS, the cache folder (default /var/cache/slurm-ddp-roots); DEBIAN_MIRROR
 # (default http://deb.debian.org/debian). A root counts once complete: its .complete file lists its packages, and
 # one with other packages is built again. Builds of one suite take turns (flock). Needs root (debootstrap, chroot).
 set -euo pipefail
 
-suite="${1:?usage: $0 SUITE PACKAGE...}"
+suite="${1:?usage: $0 [NAME=]SUITE PACKAGE...}"
+name="${suite%%=*}"
+suite="${suite#*=}"
 shift
 packages=("$@")
 CACHE="${DEV_CLUSTER_ROOTS:-/var/cache/slurm-ddp-roots}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-root="$CACHE/$suite"
+root="$CACHE/$name"
 want="$(printf '%s\n' "$@" | sort -u | tr '\n' ' ')"
 
-say() { echo "debian-root [$suite, $SECONDS s]: $*" >&2; }
+say() { echo "debian-root [$name, $SECONDS s]: $*" >&2; }
 complete() { [[ -f "$root/.complete" && "$(cat "$root/.complete")" == "$want" ]]; }
 
 if complete; then
@@ -27,7 +30,7 @@ if complete; then
 fi
 ((EUID == 0)) || { say "needs root (debootstrap, chroot)"; exit 1; }
 mkdir -p "$CACHE"
-exec 9>"$CACHE/$suite.lock"
+exec 9>"$CACHE/$name.lock"
 flock 9
 if complete; then  # another build finished while this one waited
     echo "$root"
@@ -35,7 +38,7 @@ if complete; then  # another build finished while this one waited
 fi
 
 work="$root.tmp"
-log="$CACHE/$suite.log"
+log="$CACHE/$name.log"
 : >"$log"
 unmount_all() {  # what a failed step left mounted in the work folder, deepest first
     local mnt
@@ -45,12 +48,12 @@ unmount_all() {  # what a failed step left mounted in the work folder, deepest f
 }
 trap unmount_all EXIT
 step() {  # step NAME COMMAND...: run it, its output in the log; on failure say which step and how to retry
-    local name="$1"
+    local step_name="$1"
     shift
-    say "$name"
+    say "$step_name"
     if ! "$@" >>"$log" 2>&1; then
         tail -n 20 "$log" >&2
-        say "the step '$name' failed (its output: $log); retry: rm -rf '$work' && $0 $suite ${packages[*]}"
+        say "the step '$step_name' failed (its output: $log); retry: rm -rf '$work' && $0 $name=$suite ${packages[*]}"
         exit 1
     fi
 }
@@ -65,6 +68,7 @@ step "debootstrap $suite (minbase) from $MIRROR" debootstrap --variant=minbase "
 # Daemons are never started by package scripts (dev-cluster.sh starts its own); an archive past its Release
 # file's validity date (sid's, at times) is still used.
 printf '#!/bin/sh\nexit 101\n' >"$work/usr/sbin/policy-rc.d"
+[[ -s "$work/etc/hosts" ]] || printf '127.0.0.1 localhost\n::1 localhost ip6-localhost\n' >"$work/etc/hosts"
 chmod 755 "$work/usr/sbin/policy-rc.d"
 echo 'Acquire::Check-Valid-Until "false";' >"$work/etc/apt/apt.conf.d/99-valid-until"
 mount -t proc proc "$work/proc"

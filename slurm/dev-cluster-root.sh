@@ -102,11 +102,12 @@ enter_root() {
     return 1
 }
 
-# write_wrappers BIN PIDFILE LABEL COMMAND...: BIN/<command> runs the root's COMMAND from the caller's folder
-# (visible inside at the same path), through the namespace whose holder's pid is in PIDFILE.
+# write_wrappers BIN PIDFILE LABEL PRELUDE COMMAND...: BIN/<command> runs the root's COMMAND from the caller's
+# folder (visible inside at the same path), through the namespace whose holder's pid is in PIDFILE; PRELUDE: shell
+# lines run first (may be empty).
 write_wrappers() {
-    local bin="$1" pidfile="$2" label="$3" cmd
-    shift 3
+    local bin="$1" pidfile="$2" label="$3" prelude="$4" cmd
+    shift 4
     mkdir -p "$bin"
     for cmd in "$@"; do
         cat >"$bin/$cmd" <<EOF
@@ -117,7 +118,9 @@ if [[ ! -d /proc/\$pid/root\$PWD ]]; then
     echo "$cmd: \$PWD is not visible inside $label's root; run it from $PROJECT, /tmp or \$HOME" >&2
     exit 2
 fi
-exec nsenter --target "\$pid" --mount --root --wd="\$PWD" -- /usr/bin/$cmd "\$@"
+$prelude
+# (env -C: nsenter --wd would enter a folder of this side, outside the root, where getcwd fails)
+exec nsenter --target "\$pid" --mount --root -- /usr/bin/env -C "\$PWD" /usr/bin/$cmd "\$@"
 EOF
         chmod 755 "$bin/$cmd"
     done
@@ -130,9 +133,9 @@ start_root_namespace() {
     pid="$(enter_root "$ROOT" "$HOSTS_FILE" "$PID_DIR/ns.pid" "$LOG_DIR/ns.log" "${binds[@]}")" ||
         die "could not enter the root $ROOT (see $LOG_DIR/ns.log)"
     stat -L -c %i "/proc/$pid/ns/mnt" >"$STATE/mntns"
-    IN_NS=(nsenter --target "$pid" --mount --root --wd="$STATE" --)
+    IN_NS=(nsenter --target "$pid" --mount --root -- /usr/bin/env -C "$STATE")
     echo namespace >"$STATE/hosts_mode"
-    write_wrappers "$STATE/bin" "$PID_DIR/ns.pid" "the Slurm $SLURM_VERSION dev cluster in $STATE" "${COMMANDS[@]}"
+    write_wrappers "$STATE/bin" "$PID_DIR/ns.pid" "the Slurm $SLURM_VERSION dev cluster in $STATE" "" "${COMMANDS[@]}"
 }
 
 # Whether the job's Python starts inside the root; if not, which libraries it misses.

@@ -284,7 +284,7 @@ run() { "${IN_NS[@]}" "$@"; }
 join_root() {
     local pid
     if [[ -n "$ROOT_SUITE" ]] && pid="$(live_pid ns sleep)"; then
-        IN_NS=(nsenter --target "$pid" --mount --root --wd="$STATE" --)
+        IN_NS=(nsenter --target "$pid" --mount --root -- /usr/bin/env -C "$STATE")
     fi
 }
 
@@ -351,16 +351,18 @@ start_mariadb() {
     # The lock wait timeout is the one slurmdbd asks for.
     local innodb=(--innodb-buffer-pool-size=32M --innodb-log-file-size=8M
         --innodb-data-file-path=ibdata1:4M:autoextend --innodb-lock-wait-timeout=900)
+    # No TLS on this loopback-only server: MariaDB 11 turns it on by default, and Slurm 24.11's slurmdbd then fails
+    # its first query ("Number of columns in result set exceeds..."); without it, it connects in plain text.
     # --no-defaults everywhere: the machine's /etc/mysql config (socket, datadir) is not ours.
     run mariadb-install-db --no-defaults --datadir="$DB_DIR/data" --user=root \
         --auth-root-authentication-method=normal --skip-test-db "${innodb[@]}" \
         >"$LOG_DIR/mariadb-install.log" 2>&1 || { tail -20 "$LOG_DIR/mariadb-install.log" >&2; return 1; }
     spawn "$LOG_DIR/mariadbd.out" mariadbd --no-defaults --user=root --datadir="$DB_DIR/data" \
         --socket="$DB_SOCK" --pid-file="$PID_DIR/mariadbd.pid" --log-error="$LOG_DIR/mariadbd.log" \
-        --port="$port" --bind-address=127.0.0.1 --skip-name-resolve "${innodb[@]}"
-    wait_for 30 mariadbd run mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping || return 1
+        --port="$port" --bind-address=127.0.0.1 --skip-name-resolve --skip-ssl "${innodb[@]}"
+    wait_for 30 mariadbd run mariadb-admin --no-defaults --skip-ssl --socket="$DB_SOCK" -u root ping || return 1
     # slurmdbd connects over TCP to 127.0.0.1 (it has no socket-path setting).
-    run mariadb --no-defaults --socket="$DB_SOCK" -u root -e "
+    run mariadb --no-defaults --skip-ssl --socket="$DB_SOCK" -u root -e "
         CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
 }
@@ -517,8 +519,8 @@ print_up() {
 dev cluster '$CLUSTER' is up: Slurm $SLURM_VERSION${ROOT_SUITE:+ (Debian $ROOT_SUITE root)}, nodes ${NODES[*]}, partition dev (default), accounting on
 state folder: $STATE   (ports: ${ports% })
 use it from a shell with:
-  $(print_env)
-or: eval "\$($0 env)"       stop it with: $0 down
+$(print_env | sed 's/^/  /')
+or: eval "\$(${ROOT_SUITE:+SLURM=$SLURM_VERSION }$0 env)"       stop it with: ${ROOT_SUITE:+SLURM=$SLURM_VERSION }$0 down
 EOF
 }
 
