@@ -106,7 +106,14 @@ docker:  ## build the training image with docker or podman: IMAGE=name:tag BASE_
 
 sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `docker save`, when there is no daemon)
 	@command -v apptainer >/dev/null || { printf '%s\n' "error: SIF: apptainer is not installed" \
-		"HINT: build on a machine with apptainer (most HPC login nodes), from IMAGE_TAR=… made with \`docker save\`" >&2; exit 2; }
+		"HINT: build on a machine with apptainer (most HPC login nodes), from IMAGE_TAR=… made with \`docker save\`;" \
+		"on Debian 12 or any machine without it: bash containers/apptainer.sh up && eval \"\$$(bash containers/apptainer.sh env)\"" >&2; exit 2; }
+	@$(if $(IMAGE_TAR),[ -f '$(IMAGE_TAR)' ] || { printf '%s\n' "error: IMAGE_TAR: $(IMAGE_TAR) does not exist" \
+		"HINT: make it where the image is: docker save $(IMAGE) -o $(IMAGE_TAR)" >&2; exit 2; },\
+		engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: IMAGE: no docker or podman to read $(IMAGE) from" \
+		"HINT: make docker first (bash containers/engine.sh up starts a private engine), or pass IMAGE_TAR=… from docker save" >&2; exit 2; }; \
+		"$$engine" image inspect '$(IMAGE)' >/dev/null 2>&1 || { printf '%s\n' "error: IMAGE: $(IMAGE) is not in the engine (or the engine does not answer)" \
+		"HINT: make docker IMAGE=$(IMAGE) first, or pass IMAGE_TAR=… from docker save" >&2; exit 2; })
 	$(if $(IMAGE_TAR),apptainer build --build-arg BOOTSTRAP=docker-archive --build-arg SOURCE='$(IMAGE_TAR)',apptainer build --build-arg SOURCE='$(IMAGE)') '$(SIF)' containers/trainer.def
 
 bench: venv  ## measure scaling, trainer vs a bare loop, checkpoint cost, launch overhead → docs/benchmarks.md

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import cadence, gpu, life, projection, recovery
 from benchmarks.checkpoints import checkpoint_cost
-from benchmarks.common import ROOT, bare_run, clean_env, each, machine, pairs, show, splice, spread, trainer_run
+from benchmarks.common import ROOT, bare_run, dev_cluster_env, each, machine, pairs, show, splice, spread, trainer_run
 from benchmarks.sharded import memory_rows, save_pairs
 
 BATCH = 32  # per process, as the trainer's default
@@ -61,16 +61,9 @@ def trainer_and_bare(rounds: int, size: int, tmp: Path) -> dict[str, Any]:
 
 def cluster_overhead(n_pairs: int) -> dict[str, Any]:
     """`make submit NODES=2 WAIT=1` against a minimal hand-written sbatch+srun job, when the dev cluster is up."""
-    status = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True)
-    if status.returncode:
+    env = dev_cluster_env()
+    if env is None:
         return {"skipped": "the dev cluster is down (make dev-cluster)"}
-    env_lines = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "env"], capture_output=True,
-                               text=True).stdout
-    env = clean_env()
-    for line in env_lines.splitlines():
-        if line.startswith("export "):
-            k, v = line[len("export "):].split("=", 1)
-            env[k] = v.strip("'\"")
     args = "data.synthetic_train_size=1024 train.epochs=1 data.num_workers=0 tracking.mode=disabled"
 
     phases: list[dict[str, float]] = []

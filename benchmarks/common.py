@@ -11,8 +11,10 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -125,3 +127,18 @@ def splice(md: Path, lines: list[str]) -> None:
         text = text[:at] + ("" if at == len(text) and text.endswith("\n\n") else "\n" if at == len(text) else "") \
             + block + text[at:]
     md.write_text(text)
+
+
+def dev_cluster_env(version: str = "") -> dict[str, str] | None:
+    """The environment that talks to the dev cluster of Slurm ``version`` ("": this machine's own), from its ``env``
+    lines (``$PATH`` expanded); None when it is down."""
+    base = {**clean_env(), **({"SLURM": version} if version else {})}
+    script = str(ROOT / "slurm" / "dev-cluster.sh")
+    if subprocess.run(["bash", script, "status"], env=base, capture_output=True).returncode:
+        return None
+    env = dict(base)
+    for line in subprocess.run(["bash", script, "env"], env=base, capture_output=True, text=True).stdout.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if m:
+            env[m.group(1)] = string.Template(" ".join(shlex.split(m.group(2)))).safe_substitute(env)
+    return env

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, machine, splice
+from benchmarks.common import ROOT, dev_cluster_env, machine, splice
 from benchmarks.recovery import events_of, wait_until
 from trainer.runtime.attempts import attempts, figures, recoveries
 
@@ -32,15 +32,10 @@ KINDS = ["kill"] * 5 + ["stop"] * 2 + ["preempt"] * 3
 
 
 def _env() -> dict[str, str]:
-    out = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "env"], capture_output=True, text=True)
-    if out.returncode:
+    env = dev_cluster_env()
+    if env is None:
         raise RuntimeError("the dev cluster is down (make dev-cluster)")
-    env = {**clean_env(), "TRAINER_CHECKSUM": "1", "TRAINER_FAULTS": FAULTS}
-    for line in out.stdout.splitlines():
-        if line.startswith("export "):
-            k, v = line[len("export "):].split("=", 1)
-            env[k] = v.strip("'\"")
-    return env
+    return {**env, "TRAINER_CHECKSUM": "1", "TRAINER_FAULTS": FAULTS}
 
 
 def _submit(run: Path, env: dict[str, str]) -> str:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, each, machine, pairs, show, splice, spread
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, show, splice, spread
 from trainer.runtime.attempts import PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
@@ -91,13 +91,14 @@ def slurm_run(path: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", "--launcher", "sbatch", *sets,
                           "--", *args], cwd=ROOT, env=own, capture_output=True, text=True, check=True).stdout
     job = out.split("submitted job ")[1].split()[0]
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
     wait_until(lambda: ready(run, memory), 240, f"job {job}'s first snapshot")
     killed_at = kill(lambda e: e.get("SLURM_JOB_ID") == job and e.get("SLURM_PROCID") == "1")
     wait_until(lambda: (run / "result.json").exists(), 300, f"job {job} to finish")
     got = measured(run, killed_at)
     if path == "shrink" and got["recovery"] and got["recovery"]["decision"] != "restart_here":
         raise RuntimeError(f"job {job} did not shrink in place: {got['recovery']['decision']}")
-    return {"path": path, "job": job, **got}
+    return {"path": path, "job": job, "expedited": "ExpeditedRequeue=Yes" in shown, **got}
 
 
 def torchrun_run(tmp: Path) -> dict[str, Any]:
@@ -127,14 +128,9 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 def measure(repeats: int, tmp: Path) -> dict[str, Any]:
     """Every path ``repeats`` times; the spare path and torchrun as interleaved pairs."""
-    status = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "env"], capture_output=True, text=True)
-    if status.returncode:
+    env = dev_cluster_env()
+    if env is None:
         return {"skipped": "the dev cluster is down (make dev-cluster)"}
-    env = clean_env()
-    for line in status.stdout.splitlines():
-        if line.startswith("export "):
-            k, v = line[len("export "):].split("=", 1)
-            env[k] = v.strip("'\"")
     done = pairs(repeats, lambda: slurm_run("spare", tmp, env), lambda: torchrun_run(tmp))
     runs = [r for p in done for r in p]
     for path in ("shrink", "requeue"):

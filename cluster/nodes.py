@@ -73,6 +73,16 @@ def states(partition: str | None) -> dict[str, str] | None:
     return {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if len(w) >= 2}
 
 
+def offers_expedited_requeue() -> bool:
+    """Whether jobs here may ask for an expedited requeue: sbatch takes --requeue=expedite (Slurm 25.11 and later)
+    and the cluster enables it (SlurmctldParameters=enable_expedited_requeue). Asked of Slurm itself."""
+    rc, usage = _run("sbatch", "--help")
+    if rc or "--requeue[=expedite]" not in usage:
+        return False
+    rc, config = _run("scontrol", "show", "config")
+    return rc == 0 and "enable_expedited_requeue" in config
+
+
 def memory_mb(partition: str | None) -> int | None:
     """The memory of the smallest node of ``partition`` in MB (sinfo's %m); None when sinfo cannot say."""
     rc, out = _run("sinfo", "-h", "-N", *(["-p", partition] if partition else []), "-o", "%m")

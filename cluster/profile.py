@@ -80,6 +80,10 @@ class Profile:
     suspect_after: int = 2
     """New jobs avoid a node blamed by this many different jobs within suspect_hours (hard evidence, such as a
     failed doctor check or a device error, at once); fewer blames leave it in use."""
+    requeue_expedite: str = "auto"
+    """auto: jobs ask for an expedited requeue (eligible at once, first in the queue, instead of waiting out the
+    credential's life: 120 s by default) where the cluster offers one (Slurm 25.11 and later, with
+    SlurmctldParameters=enable_expedited_requeue); yes or no: always or never."""
     storm_after: int = 3
     """A job stops after this many attempts in a row ended before passing the step they started from (a fault that
     comes back at once); 0: never."""
@@ -174,6 +178,8 @@ def validate(p: Profile) -> None:
     if p.suspect_after < 1:
         raise _err("suspect_after", f"must be >= 1, got {p.suspect_after}: 0 would avoid every node ever blamed",
                    "suspect_after: 2 (blames from two different jobs), or 1 to avoid a node at its first blame")
+    if p.requeue_expedite not in ("auto", "yes", "no"):
+        raise _err("requeue_expedite", f"must be auto, yes or no, got {p.requeue_expedite!r}", "requeue_expedite: auto")
     if p.storm_after < 0:
         raise _err("storm_after", f"must be >= 0, got {p.storm_after}", "storm_after: 3, or 0 to never stop for it")
     if not 0 <= p.min_nodes <= p.nodes:

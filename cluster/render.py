@@ -39,7 +39,7 @@ def sbatch_directives(p: Profile) -> list[str]:
             lines += ["# SITE", f"#SBATCH --{key}={value}"]
     lines += [
         *([f"#SBATCH --signal={p.signal}@{p.signal_grace_s}"] if p.signal_grace_s else []),
-        "#SBATCH --requeue",
+        "#SBATCH --requeue=expedite" if p.requeue_expedite == "yes" else "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={_sbatch_path(p.log_dir + '/%x-%j.out')}",
     ]

@@ -92,7 +92,7 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
         "slurm_signal_delay_s": p.signal_grace_s,
         "slurm_srun_args": ["--kill-on-bad-exit=1"],
         "slurm_setup": setup,
-        "slurm_additional_parameters": {"requeue": True},
+        "slurm_additional_parameters": {"requeue": "expedite" if p.requeue_expedite == "yes" else True},
         "slurm_teardown": teardown,
     }
     if p.gpus_per_node:
@@ -198,6 +198,8 @@ def submit(p: Profile, args: list[str], launcher: str, dry_run: bool, wait: bool
         return 0
     check_slurm()
     check_fits(p)
+    if p.requeue_expedite == "auto":  # decided here, where Slurm can be asked: the script says what was decided
+        p.requeue_expedite = "yes" if nodes.offers_expedited_requeue() else "no"
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
     entry = {"kind": "job", "name": p.job_name, "launcher": launcher, "profile": p.name, "nodes": p.node_range,
              "args": list(args), "module": module, "command": None if command is None else list(command.argv),

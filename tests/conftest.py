@@ -143,16 +143,18 @@ def hostile_dir(tmp_path: Path) -> Path:
 
 
 def exported(script: Path, base: dict[str, str]) -> dict[str, str]:
-    """``base`` plus the variables that ``bash SCRIPT env`` prints as ``export NAME=VALUE`` lines (shell-unquoted)."""
+    """``base`` plus the variables that ``bash SCRIPT env`` prints as ``export NAME=VALUE`` lines (shell-unquoted,
+    ``$NAME`` taken from ``base``: ``PATH=/x/bin:"$PATH"`` puts /x/bin first)."""
     import re
     import shlex
+    import string
 
     env = dict(base)
-    out = subprocess.run(["bash", str(script), "env"], capture_output=True, text=True).stdout
+    out = subprocess.run(["bash", str(script), "env"], capture_output=True, text=True, env=base).stdout
     for line in out.splitlines():
         m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
         if m:
-            env[m.group(1)] = " ".join(shlex.split(m.group(2)))
+            env[m.group(1)] = string.Template(" ".join(shlex.split(m.group(2)))).safe_substitute(env)
     return env
 
 

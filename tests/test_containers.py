@@ -87,7 +87,8 @@ def test_apptainer_and_pyxis_keep_the_environment() -> None:
 
 
 @pytest.mark.parametrize("script", ["containers/docker-task.sh", "slurm/dev-cluster.sh", ".ci/run",
-                                    "containers/engine.sh", "containers/test-base.sh"])
+                                    "containers/engine.sh", "containers/test-base.sh", "containers/apptainer.sh",
+                                    "slurm/debian-root.sh", "slurm/dev-cluster-root.sh"])
 def test_scripts_pass_shellcheck(script: str) -> None:
     path = ROOT / script
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -149,3 +150,38 @@ def test_apptainer_definition() -> None:
 def test_definition_check_rejects_a_missing_header(broken: str) -> None:
     header, _ = parse_def(broken)
     assert not (header.get("Bootstrap") and header.get("From"))
+
+
+def test_an_unknown_slurm_version_names_the_ones_offered() -> None:
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True, text=True,
+                          env={**os.environ, "SLURM": "23.99"})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: SLURM: 23.99 is not offered; offered: 22.05 (Debian bookworm), 24.11 (Debian "
+                                  "trixie), 26.05 (Debian sid)") and "HINT: make dev-cluster SLURM=24.11" in proc.stderr
+
+
+def test_a_root_that_fails_to_build_says_which_step_and_how_to_retry(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+        pytest.skip("needs root and debootstrap")
+    env = {**os.environ, "DEV_CLUSTER_ROOTS": str(tmp_path), "DEBIAN_MIRROR": "http://127.0.0.1:9/debian"}
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "debian-root.sh"), "x=bookworm", "bash"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "the step 'debootstrap bookworm (minbase) from http://127.0.0.1:9/debian' failed" in proc.stderr
+    assert f"retry: rm -rf '{tmp_path}/x.tmp' && " in proc.stderr and "debian-root.sh x=bookworm bash" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "path", "words"), [
+    (["IMAGE_TAR=/nonexistent/image.tar"], "apptainer", "error: IMAGE_TAR: /nonexistent/image.tar does not exist"),
+    (["IMAGE=no-such-image:1"], "apptainer", "error: IMAGE: "),  # not in the engine, or no engine at all
+    ([], "none", "error: SIF: apptainer is not installed"),
+])
+def test_make_sif_says_what_to_make_first(tmp_path: Path, args: list[str], path: str, words: str) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    if path == "apptainer":  # an apptainer that must never be reached
+        (fake / "apptainer").write_text("#!/bin/sh\necho reached >&2\nexit 9\n")
+        (fake / "apptainer").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:/usr/bin:/bin", "DOCKER_HOST": "unix:///nonexistent.sock"}
+    proc = subprocess.run(["make", "-s", "sif", *args], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and words in proc.stderr and "HINT: " in proc.stderr and "reached" not in proc.stderr

@@ -86,6 +86,7 @@ def checkpointed(run: Path, attempt: int) -> bool:
     return len(starts) > attempt and any(e["t"] > starts[attempt] for e in events(run, "checkpoint"))
 
 
+@pytest.mark.slurm_compat
 @pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
 def test_a_killed_rank_is_blamed_excluded_and_the_job_ends_as_if_uninterrupted(
         slurm_env: dict[str, str], tmp_path: Path, reference: str, launcher: str) -> None:
@@ -134,6 +135,7 @@ def test_max_failures_ends_the_job_instead_of_retrying_forever(slurm_env: dict[s
     assert [e["decision"] for e in events(run, "attempt_end")] == ["requeue", "fail"]
 
 
+@pytest.mark.slurm_compat
 def test_a_hang_is_blamed_on_the_stuck_ranks_node(slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
     run = tmp_path / "run"
     env = {**slurm_env, **faults(hang_at_step=6, hang_rank=1, only_restart=0),
@@ -245,6 +247,7 @@ def snapshotted(run: Path, attempt: int) -> int | None:
 MEMORY = [*SMALL, "train.epochs=2", "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2"]
 
 
+@pytest.mark.slurm_compat
 def test_a_spare_node_takes_over_inside_the_allocation_from_node_memory(slurm_env: dict[str, str], tmp_path: Path,
                                                                         reference: str) -> None:
     """The next attempt starts at once on the spare node, restores from the memory of the nodes it runs on (the
@@ -291,6 +294,7 @@ def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env
     assert node in excluded(job, env)
 
 
+@pytest.mark.slurm_compat
 def test_a_node_range_job_shrinks_in_place_and_trains_the_same_samples(slurm_env: dict[str, str],
                                                                       tmp_path: Path) -> None:
     """NODES=2-3 with a global batch: a rank killed, the job goes on at once on the 2 nodes left inside its
@@ -331,6 +335,7 @@ def test_a_node_range_job_shrinks_in_place_and_trains_the_same_samples(slurm_env
     assert "processes per attempt: 3 → 2" in report, report
 
 
+@pytest.mark.slurm_compat
 def test_a_job_without_a_warning_signal_saves_before_its_time_limit_and_requeues_apart_from_preemptions(
         slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
     """--time=1 and no --signal: the runtime reads the job's end time, saves before it, exits 75; the verdict

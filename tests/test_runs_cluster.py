@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cluster import ledger
 
 from .conftest import ROOT
@@ -83,6 +85,7 @@ def start_all(env: dict[str, str], cwd: Path) -> tuple[str, str, str]:
     return a, b, hand.stdout.strip().split(";")[0]
 
 
+@pytest.mark.slurm_compat
 def test_runs_status_logs_cancel_and_resubmit_on_real_jobs(slurm_env: dict[str, str], tmp_path: Path) -> None:
     env = {**slurm_env, ledger.LEDGER_ENV: str(tmp_path / "ledger")}
     a, b, c = start_all(env, tmp_path)

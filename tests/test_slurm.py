@@ -28,6 +28,7 @@ def slurm_env() -> dict[str, str]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the dev cluster is not up under CI: {status.stdout}{status.stderr}")
         pytest.skip("dev cluster is down: `make dev-cluster` starts it")
+    # SLURM (a version) stays: with it, the dev cluster of that version (SLURM=24.11 pytest -m slurm_compat).
     env = exported(SCRIPT, {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     env["PYTHONUNBUFFERED"] = "1"
     env["TRAINER_CHECKSUM"] = "1"  # sbatch passes it on: every rank's parameter hash in result.json
@@ -60,6 +61,7 @@ def cluster_cmd(args: list[str], env: dict[str, str], timeout: float = 300) -> s
     return sh([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", *args], env, timeout)
 
 
+@pytest.mark.slurm_compat
 def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     env = {**slurm_env, "DOCTOR": "1"}  # sbatch passes it on: the batch script runs the preflight doctor first
     proc = sh(["make", "submit", "NODES=2", "CLUSTER=dev", "WAIT=1", f"ARGS={' '.join(SMALL)}"], env)
@@ -76,6 +78,7 @@ def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     assert "epoch" not in rank1.read_text() and "done:" not in rank1.read_text()  # only rank 0 speaks
 
 
+@pytest.mark.slurm_compat
 @pytest.mark.parametrize("launch", ["srun", "torchrun"])
 def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, launch: str) -> None:
     run = tmp_path / "run"
@@ -110,6 +113,7 @@ def _reference(slurm_env: dict[str, str], tmp_path: Path, extra: list[str]) -> s
     return json.loads((ref / "result.json").read_text())["param_checksums"][0]
 
 
+@pytest.mark.slurm_compat
 @pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
 def test_preemption_signal_saves_requeues_and_matches_an_uninterrupted_run(
         slurm_env: dict[str, str], tmp_path: Path, launcher: str) -> None:

@@ -47,6 +47,7 @@ def workers_gone(array: str, env: dict[str, str]) -> bool:
     return not sh(["squeue", "-h", "-r", "-j", array], env).stdout.strip()
 
 
+@pytest.mark.slurm_compat
 def test_a_tpe_sweep_prunes_concentrates_and_survives_a_preempted_worker(slurm_env: dict[str, str],
                                                                         tmp_path: Path) -> None:
     spec = {"name": "tpe", "profile": {"nodes": 1}, "max_parallel": 2, "method": "tpe", "trials": 10, "seed": 1,

@@ -165,8 +165,8 @@ class CheckpointConfig:
     """file (rank 0 writes one file), dcp (every rank writes its share: torch.distributed.checkpoint, a folder per
     step, loadable onto any number of processes), or auto (dcp with dist.strategy=fsdp, else file)."""
     memory: str = "auto"
-    """Snapshots in node memory between saves (a partner node holds a copy of sharded state), which a restart in the
-    allocation restores without reading the shared file system: on, off, or auto (on when the job restarts in place)."""
+    """Snapshots in node memory between saves, restored by a restart in the allocation without reading the shared file
+    system: on, off, or auto (on when the job restarts in place, spare nodes or a node range)."""
     memory_every_steps: int = 0
     """Steps between memory snapshots; 0: chosen from their measured stall, as checkpoint.cadence=auto does."""
 
@@ -228,8 +228,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.device": ("auto", "cpu", "cuda"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),
-    "checkpoint.format": ("auto", "file", "dcp"),
-    "checkpoint.cadence": ("fixed", "auto"),
+    "checkpoint.format": ("auto", "file", "dcp"), "checkpoint.cadence": ("fixed", "auto"),
     "checkpoint.memory": ("auto", "on", "off"),
     "tracking.mode": ("auto", "online", "offline", "disabled"),
 }
@@ -237,10 +236,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
 POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test_size", "data.image_size",
             "model.num_classes", "optim.lr", "optim.grad_accum", "train.epochs", "train.log_every",
             "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
-NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay",
-                "optim.warmup_steps", "optim.grad_clip", "checkpoint.every_steps", "checkpoint.every_minutes",
-                "train.max_steps", "train.eval_every", "data.global_batch_size",
-                "checkpoint.mtbf_hours", "checkpoint.memory_every_steps")
+NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+                "checkpoint.every_steps", "checkpoint.every_minutes", "train.max_steps", "train.eval_every",
+                "data.global_batch_size", "checkpoint.mtbf_hours", "checkpoint.memory_every_steps")
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -333,8 +331,7 @@ def load(args: list[str]) -> Config:
 
 
 _MISSING = object()
-FREE_FORM = ("model.kwargs", "data.kwargs", "task.kwargs")
-"""Mappings whose keys are the user's (a factory's parameters): any key may be set under them."""
+FREE_FORM = ("model.kwargs", "data.kwargs", "task.kwargs")  # the user's own keys (a factory's): any key goes there
 
 
 def _get(cfg: Config, key: str) -> Any:

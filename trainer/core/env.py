@@ -28,7 +28,7 @@ TRAINER_VARIABLES = (
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
-    "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_MEMORY_DIR",
+    "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -96,6 +96,8 @@ class JobInfo:
     in_place: bool = False
     """TRAINER_IN_PLACE=1: the batch script restarts a failed attempt inside the allocation (spare nodes, a node
     range), where snapshots in node memory can be restored (``checkpoint.memory=auto`` takes them then)."""
+    end_time: float | None = None
+    """SLURM_JOB_END_TIME (Slurm 23.02 and later): when the job's time limit ends, as it stood at the start."""
     memory_dir: str = "/dev/shm"
     """TRAINER_MEMORY_DIR: where each node keeps memory snapshots (a RAM-backed folder local to the node)."""
 
@@ -127,6 +129,7 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         signal_grace_s=_positive(env.get("TRAINER_SIGNAL_GRACE_S"), 0.0),
         mtbf_hours=_positive(env.get("TRAINER_MTBF_HOURS"), 24.0),
         in_place=env.get("TRAINER_IN_PLACE") == "1",
+        end_time=_positive(env.get("SLURM_JOB_END_TIME"), 0.0) or None,
         memory_dir=env.get("TRAINER_MEMORY_DIR") or "/dev/shm",
     )
 

@@ -101,16 +101,19 @@ class Cadence:
 
 
 class Deadline:
-    """The job's end time, read by rank 0 in a thread (``end_in_s``: a test's fixed end, seconds from now)."""
+    """The job's end time: Slurm's SLURM_JOB_END_TIME from the start (23.02 and later), and rank 0 reads it again
+    with squeue in a thread, since a time limit may change while the job runs (``end_in_s``: a test's fixed end,
+    seconds from now)."""
 
-    def __init__(self, job_id: str | None, end_in_s: float = 0.0) -> None:
-        self.end: float | None = time.time() + end_in_s if end_in_s > 0 else None
+    def __init__(self, job_id: str | None, end_in_s: float = 0.0, known_end: float | None = None) -> None:
+        self.end: float | None = time.time() + end_in_s if end_in_s > 0 else known_end
         self.job_id = job_id
         if job_id and not end_in_s and shutil.which("squeue"):
             threading.Thread(target=self._watch, name="trainer-deadline", daemon=True).start()
-        elif job_id and not end_in_s:
-            print("note: squeue is not reachable here (a container without Slurm's tools?): no save before the time "
-                  "limit unless the warning signal comes (profile signal_grace_s)", flush=True)
+        elif job_id and not end_in_s and known_end is None:
+            print("note: squeue is not reachable here (a container without Slurm's tools?) and Slurm gives no "
+                  "SLURM_JOB_END_TIME (before 23.02): no save before the time limit unless the warning signal comes "
+                  "(profile signal_grace_s)", flush=True)
 
     def _watch(self) -> None:
         while True:

@@ -135,11 +135,11 @@ class SavePolicy:
 
 
 def save_policy(cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, run_dir: Path, mtbf_hours: float,
-                end_in_s: float = 0.0) -> SavePolicy:
+                end_in_s: float = 0.0, known_end: float | None = None) -> SavePolicy:
     """A run's save policy: rank 0 keeps the clocks (the auto cadence, the job's end time) and the save-now file."""
     if not env.is_main:
         return SavePolicy(cfg, env, preemption)
     (run_dir / "save-now").unlink(missing_ok=True)  # a request left for an earlier job is not this one's
     cadence = Cadence(run_dir, env.num_nodes, cfg.mtbf_hours or mtbf_hours) if cfg.cadence == "auto" else None
-    return SavePolicy(cfg, env, preemption, cadence, Deadline(env.job_id, end_in_s), run_dir / "save-now",
+    return SavePolicy(cfg, env, preemption, cadence, Deadline(env.job_id, end_in_s, known_end), run_dir / "save-now",
                       longest_save_s(run_dir))

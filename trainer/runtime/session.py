@@ -151,7 +151,7 @@ class Session:
 
     @property
     def run_dir(self) -> Path:
-        return self._run().path
+        return _opened(self.run).path
 
     def print(self, msg: str) -> None:
         """Print on rank 0 only."""
@@ -225,7 +225,7 @@ class Session:
                                          self.cfg.checkpoint.keep, (self.faults.save_delay_s, self.faults.save_delay_from_step),
                                          on_write=self._heartbeat.alive, model=self.model)
         policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
-                             self.job.mtbf_hours, self.faults.end_in_s)
+                             self.job.mtbf_hours, self.faults.end_in_s, self.job.end_time)
         policy.snapshots = self._snapshots  # their interval is agreed at the same polls
         self._saves = Saves(checkpointer, policy, self._heartbeat, self.events, self.env.is_main, self.resumed)
         if self.env.is_main:
@@ -237,13 +237,10 @@ class Session:
             self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
         return self.step
 
-    def _run(self) -> RunDir:
-        return _opened(self.run)
-
     # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Steps ``start + 1`` … ``stop``, with hang watching from the first one on."""
-        self._run()
+        _opened(self.run)
         for step in range(start + 1, stop + 1):
             self.heartbeat.beat("step", step)
             self.faults.before_step(self.steps_here, self.env.rank)
@@ -315,7 +312,7 @@ class Session:
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
         """Collective: checkpoint every restored object at ``step`` (async per checkpoint.async_save, not when preempted)."""
-        self._run()
+        _opened(self.run)
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
         path = self.saves.save(*self._state(step), step, blocking)
@@ -331,7 +328,7 @@ class Session:
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
         """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
         and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
-        run = self._run()
+        run = _opened(self.run)
         self.heartbeat.stop()
         self.checkpointer.wait()
         if self.saves.saved_step != self.step:

@@ -1,0 +1,103 @@
+"""Apptainer for real: `make sif` turns the project's Docker image into a SIF (docker save → apptainer build), and the
+dev cluster runs jobs inside it: training on 2 nodes, a preemption requeued and resumed bit-identically, a killed
+rank classified and its node blamed (the verdict runs outside the container), a command, the doctor's container
+check. Apptainer is Debian sid's (containers/apptainer.sh), in a user namespace as an unprivileged user runs it.
+CI starts it; elsewhere these skip without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, SMALL, exported, faults
+from .test_docker import engine_env, image
+from .test_healing import events, excluded, finished, kill_rank, submit
+from .test_slurm import cluster_cmd, sh, slurm_env, wait_for
+
+__all__ = ["engine_env", "image", "slurm_env"]  # the fixtures, shared
+
+SLOW = [*SMALL, "train.epochs=2", "checkpoint.every_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def apptainer_env(slurm_env: dict[str, str]) -> dict[str, str]:
+    """The dev cluster's environment with Apptainer on PATH (its wrapper; sbatch passes PATH on to the tasks)."""
+    script = ROOT / "containers" / "apptainer.sh"
+    if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode:
+        if os.environ.get("CI") == "true":
+            pytest.fail("no Apptainer under CI: .ci/run starts it with containers/apptainer.sh up")
+        pytest.skip("no Apptainer: `bash containers/apptainer.sh up` makes one from Debian sid")
+    return exported(script, slurm_env)
+
+
+@pytest.fixture(scope="module")
+def sif(image: str, engine_env: dict[str, str], apptainer_env: dict[str, str],
+        tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Docker image as a SIF, built as a user without a daemon at hand builds it: from `docker save`'s archive."""
+    folder = tmp_path_factory.mktemp("sif")
+    archive, out = folder / "image.tar", folder / "trainer.sif"
+    saved = subprocess.run(["docker", "save", image, "-o", str(archive)], env=engine_env, capture_output=True, text=True)
+    assert saved.returncode == 0, saved.stderr
+    built = subprocess.run(["make", "-s", "sif", f"IMAGE_TAR={archive}", f"SIF={out}"], cwd=ROOT, env=apptainer_env,
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    archive.unlink()
+    return out
+
+
+def inside(sif: Path) -> list[str]:
+    return ["container.runtime=apptainer", f"container.image={sif}"]
+
+
+@pytest.fixture(scope="module")
+def reference(sif: Path, apptainer_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameter checksum of the training inside the SIF, uninterrupted, on 2 nodes."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", *(a for s in inside(sif) for a in ("--set", s)), "--", *SLOW,
+                        f"run.dir={run}"], apptainer_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((run / "result.json").read_text())
+    assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1, result
+    return str(result["param_checksums"][0])
+
+
+def test_a_preempted_job_in_apptainer_requeues_and_ends_as_if_uninterrupted(
+        sif: Path, apptainer_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    run = tmp_path / "run"
+    env = {**apptainer_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], inside(sif))
+    wait_for(lambda: bool(events(run, "checkpoint")), what="a checkpoint inside the container")
+    assert sh(["scancel", "--signal=USR2", job], env).returncode == 0
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    assert [e["class"] for e in events(run, "attempt_end")] == ["preempted", "finished"]
+
+
+def test_a_killed_rank_in_apptainer_is_blamed_outside_the_container(
+        sif: Path, apptainer_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    run = tmp_path / "run"
+    env = {**apptainer_env, **faults(step_delay_s=0.3), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], inside(sif))
+    wait_for(lambda: bool(events(run, "checkpoint")), what="a checkpoint inside the container")
+    node = kill_rank(job, 1, 0, sig=signal.SIGKILL)  # the container's python3, a process of this machine
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
+    first = events(run, "attempt_end")[0]
+    assert (first["class"], first["blamed"], first["decision"]) == ("infrastructure", [node], "requeue"), first
+    assert node in excluded(job, env)
+
+
+def test_a_command_and_the_doctor_run_in_apptainer(sif: Path, apptainer_env: dict[str, str], tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", *(a for s in inside(sif) for a in ("--set", s)), "--",
+                        "python", "tests/scripts/plain_ddp.py"], {**apptainer_env, "RUN_DIR": str(plain)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [json.loads((plain / f"rank-{r}.json").read_text())["sum"] for r in range(2)] == [3.0, 3.0]
+    doctor = sh([str(ROOT / ".venv" / "bin" / "python"), "-m", "trainer.doctor", "--local", "1", "--container",
+                 f"apptainer:{sif}"], apptainer_env)
+    assert "container" in doctor.stdout and f"apptainer, {sif}" in doctor.stdout, doctor.stdout + doctor.stderr
