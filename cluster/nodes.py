@@ -48,8 +48,9 @@ def parse_fields(line: str) -> dict[str, str]:
 
 
 def job_log(info: dict[str, str]) -> Path | None:
-    """The batch script's stderr file (where srun's own lines go), from the job's fields (:func:`job_fields`)."""
-    path = info.get("StdErr")
+    """The batch script's stderr file (where srun's own lines go), from the job's fields (:func:`job_fields`).
+    Slurm 26.05 leaves StdErr empty when it is StdOut's file (22.05 and 24.11 repeat the path)."""
+    path = info.get("StdErr") or info.get("StdOut")
     return Path(path) if path else None
 
 

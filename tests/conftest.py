@@ -202,20 +202,35 @@ def _module_fixtures(item: pytest.Function) -> set[str]:
             for d in defs if d.scope == "module" and d.baseid == path and name not in CHEAP_FIXTURES}
 
 
+CLUSTERS = os.environ.get("DEV_CLUSTERS", "").split()
+"""Dev clusters of this machine's Slurm to spread the cluster tests over (their DEV_CLUSTER_DIRs; .ci/run starts two);
+unset: the one dev cluster (slurm/dev-cluster.sh's default folder, or DEV_CLUSTER_DIR)."""
+CLUSTER_OF: dict[str, int] = {}
+"""Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist (tests/xdist_groups.py). Every test of the dev cluster runs on one worker, in file order:
+    """Groups for pytest-xdist (tests/xdist_groups.py). Every test of a dev cluster runs on one worker, in file order:
     the cluster's nodes fit one job at a time, and the healing tests drain and blame nodes the others would use (with
-    them, a file's tests that share a module fixture, such as the built image). Other tests sharing a module fixture
-    (a reference run) run on one worker, so it is made once. The rest spread over the workers.
+    them, a file's tests that share a module fixture, such as the built image). With several clusters (DEV_CLUSTERS),
+    whole files go to the cluster with the fewest tests so far, one group and one worker each. Other tests sharing a
+    module fixture (a reference run) run on one worker, so it is made once. The rest spread over the workers.
     """
     from .xdist_groups import publish  # here: imported before pytest registers it, it would miss assert rewriting
 
     tests = [(t, t.nodeid.split("::")[0], _module_fixtures(t)) for t in items if isinstance(t, pytest.Function)]
     cluster_files = {path for t, path, shared in tests if "slurm_env" in t.fixturenames and shared}
-    groups = {}
+    on_cluster = [(t, path) for t, path, shared in tests
+                  if "slurm_env" in t.fixturenames or (path in cluster_files and shared)]
+    counts: dict[str, int] = {}
+    for _, path in on_cluster:
+        counts[path] = counts.get(path, 0) + 1
+    load = [0] * max(1, len(CLUSTERS))
+    for path in sorted(counts, key=lambda f: (-counts[f], f)):
+        CLUSTER_OF[path] = load.index(min(load))
+        load[CLUSTER_OF[path]] += counts[path]
+    groups = {t.nodeid: f"dev-cluster-{CLUSTER_OF[path]}" for t, path in on_cluster}
     for t, path, shared in tests:
-        if "slurm_env" in t.fixturenames or (path in cluster_files and shared):
-            groups[t.nodeid] = "dev-cluster"
-        elif shared:
+        if shared and t.nodeid not in groups:
             groups[t.nodeid] = path
     publish(groups)

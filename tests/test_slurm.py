@@ -15,23 +15,28 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL, exported, faults
+from .conftest import CLUSTER_OF, CLUSTERS, ROOT, SMALL, exported, faults
 
 SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 
 
 @pytest.fixture(scope="module")
-def slurm_env() -> dict[str, str]:
-    """The environment that talks to the dev cluster, or a skip (a failure under CI) when it is down."""
-    status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
+def slurm_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that talks to this file's dev cluster (conftest.CLUSTER_OF), or a skip (a failure under CI)
+    when it is down. SLURM (a version) stays: with it, that version's cluster (SLURM=24.11 pytest -m slurm_compat)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    if CLUSTERS:
+        base["DEV_CLUSTER_DIR"] = CLUSTERS[CLUSTER_OF.get(str(Path(request.path).relative_to(ROOT)), 0)]
+    status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True, env=base)
     if status.returncode:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the dev cluster is not up under CI: {status.stdout}{status.stderr}")
         pytest.skip("dev cluster is down: `make dev-cluster` starts it")
-    # SLURM (a version) stays: with it, the dev cluster of that version (SLURM=24.11 pytest -m slurm_compat).
-    env = exported(SCRIPT, {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    env = exported(SCRIPT, base)
     env["PYTHONUNBUFFERED"] = "1"
     env["TRAINER_CHECKSUM"] = "1"  # sbatch passes it on: every rank's parameter hash in result.json
+    # Blame evidence stays with this file's jobs, never in the checkout's runs/suspects.json (tests pass their own).
+    env["TRAINER_SUSPECTS"] = str(tmp_path_factory.mktemp("suspects") / "suspects.json")
     return env
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cluster import placement, suspects
-from cluster.nodes import parse_fields
+from cluster.nodes import excluded, job_log, parse_fields
 from cluster.placement import Next, Shape
 from cluster.verdict import Limits, Verdict, decide, judge, repeated, srun_failures, storm
 from trainer.core import exits
@@ -111,6 +111,15 @@ def test_a_failure_at_the_same_step_on_other_nodes_is_the_codes() -> None:
     assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=40), earlier) == earlier[0]
     assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=41), earlier) is None
     assert repeated(Verdict("infrastructure", "x", blame=["n2"], step=40), earlier) is None  # the same node again
+
+
+@pytest.mark.parametrize("version", ["22.05", "24.11", "26.05"])
+def test_the_job_log_is_found_in_what_each_slurm_version_prints(version: str) -> None:
+    """`scontrol show job -o` of a batch job with one output file, as each version printed it (tests/golden)."""
+    fields = parse_fields((Path(__file__).parent / "golden" / f"scontrol-job-{version}.txt").read_text().strip())
+    log = job_log(fields)
+    assert log is not None and log.name.startswith("golden-") and log.suffix == ".out", fields.get("StdErr")
+    assert fields["Partition"] == "dev" and fields["NumNodes"] == "1" and excluded(fields) == []
 
 
 def test_scontrol_fields_keep_paths_with_spaces() -> None:
