@@ -205,6 +205,8 @@ def _module_fixtures(item: pytest.Function) -> set[str]:
 CLUSTERS = os.environ.get("DEV_CLUSTERS", "").split()
 """Dev clusters of this machine's Slurm to spread the cluster tests over (their DEV_CLUSTER_DIRs; .ci/run starts two);
 unset: the one dev cluster (slurm/dev-cluster.sh's default folder, or DEV_CLUSTER_DIR)."""
+IMAGE_TIMEOUT = 1200
+"""Seconds for a test that uses the built container image, its build included."""
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 
@@ -234,3 +236,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if shared and t.nodeid not in groups:
             groups[t.nodeid] = path
     publish(groups)
+    for t, _, _ in tests:
+        if "image" in t.fixturenames and not t.get_closest_marker("timeout"):
+            # Its first test builds the image (or waits for the other worker's build): minutes on a busy machine.
+            t.add_marker(pytest.mark.timeout(IMAGE_TIMEOUT))

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import ROOT, clean_env
 
 
+@pytest.mark.timeout(900)  # about 3 minutes alone, several times that beside two other workers on 2 cores
 def test_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
+                          env=clean_env(), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     t = results["trainer_and_bare"]

@@ -3,6 +3,7 @@ with RUNTIME=docker. CI starts a private engine (containers/engine.sh); elsewher
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -32,7 +33,15 @@ def engine_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def image(engine_env: dict[str, str]) -> str:
-    """Our Dockerfile built on the local stand-in for a CUDA PyTorch image."""
+    """Our Dockerfile built on the local stand-in for a CUDA PyTorch image. One build at a time: the Apptainer tests,
+    on another worker, want it too, and the second build then finds every layer cached."""
+    engine_dir = Path(engine_env["DOCKER_HOST"].removeprefix("unix://")).parent  # the engine's own folder
+    with open(engine_dir / "test-image.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_image(engine_env)
+
+
+def _build_image(engine_env: dict[str, str]) -> str:
     base = subprocess.run(["bash", str(ROOT / "containers" / "test-base.sh"), BASE], env=engine_env,
                           capture_output=True, text=True, timeout=900)
     assert base.returncode == 0, base.stderr[-3000:]

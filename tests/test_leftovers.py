@@ -85,7 +85,7 @@ def test_hangs_with_a_queued_job(slurm_env):
 
 def test_a_hung_cluster_test_cancels_the_jobs_it_submitted(slurm_env: dict[str, str], tmp_path: Path) -> None:
     job_file = tmp_path / "job"
-    proc = run_inner(tmp_path, HUNG_JOB, {**slurm_env, "JOB": str(job_file)})
+    proc = run_inner(tmp_path, HUNG_JOB, {**slurm_env, "JOB": str(job_file), "DEV_CLUSTERS": ""})  # this cluster
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert any(line.startswith("FAILED") and "test_hangs_with_a_queued_job" in line and "Timeout" in line
                for line in proc.stdout.strip().splitlines()[-2:]), proc.stdout

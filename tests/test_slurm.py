@@ -26,7 +26,7 @@ def slurm_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     when it is down. SLURM (a version) stays: with it, that version's cluster (SLURM=24.11 pytest -m slurm_compat)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     if CLUSTERS:
-        base["DEV_CLUSTER_DIR"] = CLUSTERS[CLUSTER_OF.get(str(Path(request.path).relative_to(ROOT)), 0)]
+        base["DEV_CLUSTER_DIR"] = CLUSTERS[CLUSTER_OF.get(request.node.nodeid.split("::")[0], 0)]
     status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True, env=base)
     if status.returncode:
         if os.environ.get("CI") == "true":
