@@ -611,7 +611,7 @@ def test_the_tpe_sampler_of_a_spec_concentrates_near_the_optimum(tmp_path: Path)
     def median_distance(spec_text: str) -> float:
         spec = sweep_spec.load_spec(write(tmp_path, spec_text))
         study = optuna.create_study(direction="maximize", sampler=studies.sampler(spec, seed=1))
-        for _ in range(spec.trials):
+        for _ in range(spec.trials or 0):
             trial = study.ask(studies.space(spec))
             study.tell(trial, -abs(math.log10(trial.params["optim.lr"] / 0.03)))
         dist = sorted(abs(math.log10(t.params["optim.lr"] / 0.03)) for t in study.trials[10:])
