@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import cadence, gpu, life, projection, recovery
+from benchmarks import audit, cadence, gpu, life, projection, recovery, versions
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, dev_cluster_env, each, machine, pairs, show, splice, spread, trainer_run
 from benchmarks.sharded import memory_rows, save_pairs
@@ -258,7 +258,8 @@ def main() -> int:
     kept = hand_written(page)
     page.write_text(render(results))
     for lines in [kept, recovery.section(stored(a.out, "recovery")), projection.section(a.out),
-                  life.section(stored(a.out, "life"))]:
+                  life.section(stored(a.out, "life")), versions.section(stored(a.out, "versions")),
+                  audit.section(stored(a.out, "audit"))]:
         if lines:
             splice(page, lines)
     plot(results, a.out / "benchmarks-scaling.png")

@@ -26,7 +26,7 @@ from cluster.runs import (
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
 from trainer.runtime.attempts import attempts as attempts_of
-from trainer.runtime.attempts import describe_recovery, recoveries
+from trainer.runtime.attempts import audit_lines, describe_recovery, recoveries
 
 
 def resolve(ref: str) -> dict[str, Any]:
@@ -143,8 +143,9 @@ def show(ref: str) -> int:
     print(f"attempts ({attempts}):" + ("" if lines else " none started yet"))
     for line in lines:
         print(line)
-    for r in recoveries(attempts_of(run_dir)):
-        print(describe_recovery(r))
+    runs = attempts_of(run_dir)
+    for line in [*map(describe_recovery, recoveries(runs)), *audit_lines(runs)]:
+        print(line)
     print(f"logs:   {record.get('log')}   (python -m cluster logs {ref} [--rank N] [--attempt K] [-f])")
     _why(record, events, run_dir)
     return 0

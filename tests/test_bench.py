@@ -57,3 +57,15 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     heads = [line for line in page.read_text().splitlines() if line.startswith("## ")]
     assert heads == ["## 3. x", "## 4. GPU only", "## 5. y", "## 6. mid", "## 8. new"], heads
     assert gpu.section(None)[2].startswith("Not measured yet")
+
+
+def test_the_audit_section_shows_the_overhead_and_the_false_alarms() -> None:
+    from benchmarks import audit
+    from benchmarks.common import spread
+
+    r = {"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-26", "command": "python -m benchmarks.audit",
+         "pairs": 2, "size": 8, "on_vs_off": spread([0.99, 1.004]), "clean_steps": 10000, "false_alarms": 0,
+         "tiny_step_ms": 3.0}
+    text = "\n".join(audit.section(r))
+    assert "| 0.997× (0.990×–1.004×) |" in text and "| straggler events in 10,000 clean steps" in text
+    assert audit.section(None)[2].startswith("Not measured yet")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.core.config import Config, field_docs, help_text, load
+from trainer.core.config import Config, help_text, load
+from trainer.core.config_help import field_docs
 from trainer.core.errors import UserError
 
 from . import warm

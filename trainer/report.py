@@ -47,7 +47,7 @@ def table(f: dict[str, Any]) -> str:
         lines.append(f"processes per attempt: {' → '.join(sizes)}")
     lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
               if r["cause"] and r["ended"] != "finished"]
-    lines += [describe_recovery(r) for r in f["recoveries"]]
+    lines += [describe_recovery(r) for r in f["recoveries"]] + f["audits"]
     return "\n".join(lines)
 
 
@@ -145,7 +145,8 @@ def _render(run_dir: Path) -> tuple[Path, dict[str, Any]]:
             "<table><tr>" + "".join(f"<th>{c}</th>" for c, _ in COLUMNS) + f"</tr>{rows}</table>"
             + "".join(f"<p>attempt {r['attempt']}: {html.escape(str(r['ended']))}: {html.escape(str(r['cause']))}</p>"
                       for r in f["attempts"] if r["cause"] and r["ended"] != "finished")
-            + "".join(f"<p>{html.escape(describe_recovery(r))}</p>" for r in f["recoveries"]) + imgs)
+            + "".join(f"<p>{html.escape(line)}</p>" for line in [*map(describe_recovery, f["recoveries"]), *f["audits"]])
+            + imgs)
     out = run_dir / "report.html"
     out.write_text(page)
     return out, f

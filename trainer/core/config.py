@@ -1,13 +1,8 @@
-"""Typed configuration: dataclass defaults ← packaged YAML ← user YAML ← ``key=value`` overrides.
-
-Every field carries a docstring; ``python -m trainer --help`` prints them. Any bad key, type or
-value becomes a :class:`UserError` naming the key, raised before anything is written.
-"""
+"""Typed configuration: dataclass defaults ← packaged YAML ← user YAML ← ``key=value`` overrides. Every field carries a
+docstring (``python -m trainer --help``); a bad key, type or value is a :class:`UserError` naming the key."""
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -172,6 +167,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class AuditConfig:
+    straggler_ratio: float = 1.3
+    """A rank whose compute time per step (forward and optimizer, collectives aside) stays above this × the others'
+    median is a straggler (> 1)."""
+    straggler_steps: int = 50
+    """Steps a rank must stay that slow before it is named; 0 turns straggler detection off."""
+    on_straggler: str = "report"
+    """report (an event, a console line, the report and status say which node) or restart (save, and end the attempt
+    blaming that node: a spare node, a shrink or a requeue without it takes over)."""
+    replicas_every_steps: int = 0
+    """DDP: steps between the ranks' comparison of their parameters, which must be bit-identical; 0: before every
+    checkpoint save (a disagreement never saves); -1: off."""
+
+
+@dataclass
 class RunConfig:
     dir: str | None = None
     """Run folder (config, checkpoints, results). Default: $RUN_DIR (set by the batch script), else
@@ -214,6 +224,8 @@ class Config:
     """Process group."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and preemption."""
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """Slow ranks and silent corruption."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run folder."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -229,7 +241,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),
     "checkpoint.format": ("auto", "file", "dcp"), "checkpoint.cadence": ("fixed", "auto"),
-    "checkpoint.memory": ("auto", "on", "off"),
+    "checkpoint.memory": ("auto", "on", "off"), "audit.on_straggler": ("report", "restart"),
     "tracking.mode": ("auto", "online", "offline", "disabled"),
 }
 
@@ -238,33 +250,15 @@ POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test
             "dist.timeout_s", "checkpoint.keep", "checkpoint.poll_steps")
 NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "checkpoint.every_steps", "checkpoint.every_minutes", "train.max_steps", "train.eval_every",
-                "data.global_batch_size", "checkpoint.mtbf_hours", "checkpoint.memory_every_steps")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a config dataclass."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = nxt.value.value
-    return docs
+                "data.global_batch_size", "checkpoint.mtbf_hours", "checkpoint.memory_every_steps",
+                "audit.straggler_steps")
 
 
 def help_text() -> str:
     """Every key with its default and docstring, for ``--help``."""
-    lines = ["usage: python -m trainer [config=FILE.yaml] [key=value ...]", ""]
-    default = Config()
-    for group in fields(Config):
-        sub = getattr(default, group.name)
-        lines.append(f"{group.name}:")
-        docs = field_docs(type(sub))
-        for f in fields(sub):
-            key = f"{group.name}.{f.name}"
-            lines.append(f"  {key}={getattr(sub, f.name)!s:<12} {docs.get(f.name, '')}")
-    return "\n".join(lines)
+    from trainer.core.config_help import help_lines  # the docstrings are parsed only when asked for
+
+    return "\n".join(help_lines(Config()))
 
 
 def _err(key: str, message: str, hint: str | None = None) -> UserError:
@@ -379,6 +373,12 @@ def validate(cfg: Config) -> None:
     if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
         raise _err("train.precision", "fp16 (GradScaler) is not supported with dist.strategy=fsdp",
                    "use train.precision=bf16: parameters in bf16, gradients reduced in fp32")
+    if not (cfg.audit.straggler_ratio > 1 and math.isfinite(cfg.audit.straggler_ratio)):
+        raise _err("audit.straggler_ratio", f"must be > 1, got {cfg.audit.straggler_ratio}: a rank at the others' pace "
+                   "would be named", "e.g. audit.straggler_ratio=1.3, or audit.straggler_steps=0 to turn detection off")
+    if cfg.audit.replicas_every_steps < -1:
+        raise _err("audit.replicas_every_steps", f"must be -1 (off), 0 (at saves) or steps, got "
+                   f"{cfg.audit.replicas_every_steps}", "e.g. audit.replicas_every_steps=0")
     if cfg.dist.activation_checkpointing and cfg.dist.strategy != "fsdp":
         raise _err("dist.activation_checkpointing", "applies to the blocks FSDP shards", "add dist.strategy=fsdp")
 

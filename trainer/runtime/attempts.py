@@ -108,6 +108,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
             "recovery_s": recovery(rows), "recoveries": recoveries(runs), "cadence": cadence(runs, rows),
+            "audits": audit_lines(runs),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
 
@@ -164,6 +165,22 @@ def describe_recovery(r: dict[str, Any]) -> str:
                                                              r["restored_from"] else "") for k in PHASES)
     return (f"recovery after attempt {r['after_attempt']} ({r['decision']}): {r['total_s']:.1f} s from its last step to "
             f"the next first step ({parts}); {r['recomputed_steps']} step(s) recomputed")
+
+
+def audit_lines(runs: list[Attempt]) -> list[str]:
+    """One line per straggler named and per replica disagreement (audit.*), with its attempt."""
+    out = []
+    for i, a in enumerate(runs, start=1):
+        for e in a.times("straggler"):
+            times = ", ".join(f"{n} {ms:g} ms" + (" (slow)" if n == e["node"] else "") for n, ms in e["ms"].items())
+            then = "saved and restarted without it" if e["action"] == "restart" else "reported"
+            out.append(f"straggler in attempt {i}: rank {e['rank']} on {e['node']} computed {e['ratio']:.2f}× the others' "
+                       f"time per step from step {e['since']} (named at step {e['step']}; {times}); {then}")
+        for e in a.times("corruption"):
+            who = ", ".join(e["nodes"]) if e["nodes"] else "no node (no majority)"
+            out.append(f"silent corruption in attempt {i}: ranks {e['ranks']} disagreed with the other replicas at step "
+                       f"{e['step']}; not saved, restarted from the last checkpoint, blaming {who}")
+    return out
 
 
 def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] | None:

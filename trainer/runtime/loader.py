@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
-from trainer.runtime.batches import BatchPlan
+from trainer.runtime.batches import BatchPlan, plan
 from trainer.runtime.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler
 
 
@@ -157,6 +157,18 @@ class Loader:
         """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved
         at the end of a step: ``should_save`` comes after the optimizer step)."""
         return self.plan is not None and state.get("global_batch_size") == self.plan.global_batch
+
+
+def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_batch_size: int | None, seed: int,
+                 say: Callable[[str], None], **kwargs: Any) -> Loader:
+    """``Session.loader``: this rank's resumable batches; with a global batch, its plan printed once."""
+    if batch_size < 1 or (global_batch_size or 0) < 0:
+        raise ValueError(f"loader(): batch_size must be >= 1 and global_batch_size >= 0, got {batch_size} and "
+                         f"{global_batch_size}")
+    planned = plan(global_batch_size, env.world_size, batch_size) if global_batch_size else None
+    if planned:
+        say(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch){planned.advice(batch_size)}")
+    return Loader(dataset, env, batch_size, seed, planned, **kwargs)
 
 
 def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:

@@ -6,7 +6,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,12 @@ from trainer.runtime.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cade
 
 if TYPE_CHECKING:
     from trainer.runtime.snapshots import Snapshots
+
+
+class ComputeTimes(Protocol):
+    """This rank's compute seconds per step since the last poll (trainer/runtime/audit.py's Meter)."""
+
+    def take(self, step: int) -> float: ...
 
 
 class Preemption:
@@ -48,6 +54,8 @@ class Poll:
     """The time limit is closer than one save and the steps to the next agreement: save, exit, requeue."""
     snapshot_every: int = 0
     """Steps between memory snapshots, as rank 0 proposed them at this poll (0: no proposal)."""
+    compute: tuple[float, ...] = ()
+    """Every rank's compute seconds per step since the last poll, in rank order (empty: not measured)."""
 
 
 class SavePolicy:
@@ -71,6 +79,8 @@ class SavePolicy:
         """The longest blocking save seen (this run's event log included): what a last save may take."""
         self.snapshots: Snapshots | None = None
         """The run's memory snapshots, whose interval rank 0 proposes and every poll agrees."""
+        self.meter: ComputeTimes | None = None
+        """This rank's compute time, shared at every poll for the straggler audit."""
 
     def margin_s(self) -> float:
         """Time a last save needs before the limit: twice (one save, after a background write still running when
@@ -117,13 +127,17 @@ class SavePolicy:
         self.last_poll = now
         timed, near = self._rank0_flags() if self.env.is_main else (False, False)
         propose = self.snapshots.propose(step) if self.snapshots else 0
-        flags = torch.tensor([self.preemption.signum, int(timed), int(near), propose], dtype=torch.int32)
+        # One all-reduce (max) holds the flags and, each rank in its own slot, the compute times: float64 keeps both.
+        flags = torch.zeros(4 + (self.env.world_size if self.meter else 0), dtype=torch.float64)
+        flags[:4] = torch.tensor([self.preemption.signum, int(timed), int(near), propose], dtype=torch.float64)
+        if self.meter:
+            flags[4 + self.env.rank] = self.meter.take(step)
         if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
-        signum, timed_any, near_any, every = flags.tolist()
+        signum, timed_any, near_any, every = (int(v) for v in flags[:4].tolist())
         if self.snapshots and every:
             self.snapshots.every = every
-        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any), every)
+        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any), every, tuple(flags[4:].tolist()))
 
     def saved(self, stall_s: float, blocking: bool = True) -> None:
         """A save just finished, stalling training ``stall_s``: the timed interval starts again."""

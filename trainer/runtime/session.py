@@ -44,10 +44,10 @@ from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.runtime import attempts
-from trainer.runtime.batches import plan
+from trainer.runtime.audit import Audit
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.heartbeat import Heartbeat
-from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers
+from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
 from trainer.runtime.preemption import Preemption, save_policy
 from trainer.runtime.resuming import resume
 from trainer.runtime.rundir import RunDir
@@ -97,6 +97,7 @@ class Session:
         self._tracker: Tracker | None = None
         self._reports: Reports | None = None
         self._snapshots: Snapshots | None = None
+        self._audit: Audit | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[DataLoader[Any]] = []
         self.resumed: Resumed | None = None
@@ -181,14 +182,9 @@ class Session:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``). With
         ``global_batch_size``, ``batch_size`` caps the micro-batch and ``loader.accumulation`` micro-batches make one
         optimizer step of the same samples on any number of processes."""
-        if batch_size < 1 or (global_batch_size or 0) < 0:
-            raise ValueError(f"loader(): batch_size must be >= 1 and global_batch_size >= 0, got {batch_size} and "
-                             f"{global_batch_size}")
-        planned = plan(global_batch_size, self.env.world_size, batch_size) if global_batch_size else None
-        if planned:
-            self.print(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch){planned.advice(batch_size)}")
-        made = Loader(dataset, self.env, batch_size, self.cfg.train.seed, planned,
-                      **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
+        seed = self.cfg.train.seed
+        made = train_loader(dataset, self.env, batch_size, global_batch_size, seed, self.print,
+                            **loader_kwargs(dataset, self.env, self.device, seed, self.signals, kwargs))
         self.loaders.append(made.loader)
         return made
 
@@ -228,6 +224,8 @@ class Session:
                              self.job.mtbf_hours, self.faults.end_in_s, self.job.end_time)
         policy.snapshots = self._snapshots  # their interval is agreed at the same polls
         self._saves = Saves(checkpointer, policy, self._heartbeat, self.events, self.env.is_main, self.resumed)
+        self._audit = Audit(self.cfg, self.env, self.model, objects, self.faults, self.device, self.step, policy,
+                            self.events.emit, self.print)
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
                                                                  strategy=self.cfg.dist.strategy, **got.facts))
@@ -291,6 +289,7 @@ class Session:
         self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2", self.env.rank))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
         poll = self.saves.policy.poll(step, force_poll)
+        _opened(self._audit).after_step(step, poll.compute)
         if self.saves.policy.polls_at(step, force_poll):
             self.events.emit("progress", step=step)
         if poll.signum and self.preempted_by is None:
@@ -306,13 +305,15 @@ class Session:
 
     @property
     def preempted(self) -> bool:
-        """A preemption or the time limit was agreed: save (``should_save`` said so), leave the loop, return
-        ``finish()``."""
-        return self.preempted_by is not None or self.deadline
+        """A preemption, the time limit or an audit's stop (a straggler to restart without, replicas that disagree)
+        was agreed: save (``should_save`` said so), leave the loop, return ``finish()``."""
+        return self.preempted_by is not None or self.deadline or bool(self._audit and self._audit.stop)
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
         """Collective: checkpoint every restored object at ``step`` (async per checkpoint.async_save, not when preempted)."""
-        _opened(self.run)
+        run, audit = _opened(self.run), _opened(self._audit)
+        if not audit.agree(step):  # never save a state the replicas dispute
+            return self.last_path or run.checkpoints
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
         path = self.saves.save(*self._state(step), step, blocking)
@@ -336,6 +337,8 @@ class Session:
         if self._snapshots:  # saved for good: the run's snapshots go (a failed attempt's stay for the restart)
             self._snapshots.close(finished=True)
         path = str(self.last_path)
+        if self._audit and self._audit.stop:  # the self-healing rules go on without the node it blames
+            return self._audit.end(self._snapshots)
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
             why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
@@ -347,12 +350,11 @@ class Session:
             self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
         outcome = "pruned" if _opened(self._reports).pruned else "finished"
-        summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
+        self.summary = summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
                    "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.saves.stall_s, 4),
                    "strategy": self.cfg.dist.strategy, **(result or {})}
-        self.summary = summary
         run.write_result(summary)
         self.events.emit("exit", durable=True, code=0, step=self.step)
         goodput = run.write_report()

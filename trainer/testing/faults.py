@@ -46,6 +46,29 @@ class Faults:
     """The job's time limit is this many seconds after the session starts (what squeue reports under Slurm)."""
     doctor_fail_node: str = ""
     """The preflight doctor fails on the node of this name (Slurm's), as a broken GPU or mount would."""
+    slow_rank: int = -1
+    """This rank computes ``slow_factor`` times slower from step ``slow_from_step`` on (-1: none): a throttled GPU."""
+    slow_from_step: int = 0
+    """The first step (the run's, not this process's) of the slowdown."""
+    slow_factor: float = 1.5
+    """How much longer the slow rank's forward and optimizer steps take."""
+    flip_at_step: int = -1
+    """Rank ``flip_rank`` flips one bit of a parameter after this step (the run's; -1: never): silent corruption."""
+    flip_rank: int = 1
+    """The rank whose parameter ``flip_at_step`` corrupts."""
+
+    def stretch(self, seconds: float, rank: int, step: int) -> None:
+        """Inside a measured compute phase that took ``seconds``: the slow rank takes ``slow_factor`` times as long."""
+        if rank == self.slow_rank and step >= self.slow_from_step:
+            time.sleep(seconds * (self.slow_factor - 1))
+
+    def flip(self, params: list[torch.Tensor], rank: int, step: int) -> None:
+        """After ``flip_at_step`` on ``flip_rank``: one bit of the first parameter's first value, as faulty memory
+        flips it (a mantissa bit: bit 20 of a float32, the value changes a little, the bits differ)."""
+        if step == self.flip_at_step and rank == self.flip_rank and params:
+            first = params[0].detach().view(-1)[:1].view(torch.uint8)
+            with torch.no_grad():
+                first[first.numel() - 2] ^= 16
 
     def before_step(self, done: int, rank: int) -> None:
         """A rank stuck outside any collective (a dead file system, a deadlock); ``done``: steps finished so far."""

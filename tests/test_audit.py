@@ -1,0 +1,141 @@
+"""Fail-slow and silent corruption (trainer/runtime/audit.py): the straggler detector's rule, the replicas' digest,
+and real gloo runs of the built-in trainer with a slow rank and a flipped bit (TRAINER_FAULTS)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.runtime.audit import EXIT_AUDIT, Detector, digest, outliers
+from trainer.testing.faults import Faults
+
+from .conftest import SMALL, faults, ok, result_of, spawn_ranks, wait_ranks
+
+NODES = ["n1", "n2", "n3"]
+
+
+def feed(detector: Detector, windows: list[list[float]], every: int = 10) -> list[tuple[int, int, int]]:
+    """Polls every ``every`` steps with these per-rank times: (rank, since, step) of each straggler named."""
+    named = []
+    for i, times in enumerate(windows, start=1):
+        named += [(s.rank, s.since, s.step) for s in detector.observe(i * every, times)]
+    return named
+
+
+# (per-rank compute times per window, the stragglers named: (rank, first slow step, step named))
+CASES = [
+    ([[1, 1, 1]] * 10, []),
+    ([[1, 1, 1]] * 3 + [[1, 1.5, 1]] * 5, [(1, 31, 80)]),  # slow from step 31, named once 50 steps have passed
+    ([[1, 1, 1]] * 3 + [[1, 1.5, 1]] * 4 + [[1, 1, 1]] + [[1, 1.5, 1]] * 4, []),  # never 50 steps in a row
+    ([[1, 1, 1]] * 3 + [[1, 1.25, 1]] * 8, []),  # below the ratio
+    ([[9, 1, 1]] + [[1, 1, 1]] * 8, []),  # the first window (compiling, warming up) does not count
+    ([[1, 1, 1]] * 2 + [[1, 0, 1]] * 6 + [[1, 1, 1]], []),  # a rank that measured nothing: no judgement
+    ([[1, 1, 1]] * 2 + [[2, 2, 2]] * 6, []),  # every rank slower alike (a data stall, a checkpoint)
+    ([[1, 1, 1]] * 2 + [[1, 2, 1]] * 8 + [[1, 1, 1]] * 2 + [[1, 2, 1]] * 8, [(1, 21, 70)]),  # named once
+]
+
+
+@pytest.mark.parametrize(("windows", "named"), CASES)
+def test_a_rank_that_stays_slower_than_the_others_is_named_once(windows: list[list[float]],
+                                                                named: list[tuple[int, int, int]]) -> None:
+    assert feed(Detector(1.3, 50, NODES, 0), windows) == named
+
+
+def test_a_straggler_carries_its_node_ratio_and_the_nodes_times() -> None:
+    d = Detector(1.3, 20, ["a", "a", "b", "b"], 100)
+    got = [s for i, t in enumerate([[1, 1, 1, 1]] + [[0.01, 0.01, 0.01, 0.016]] * 3)
+           for s in d.observe(110 + 10 * i, t)]
+    assert len(got) == 1 and (got[0].rank, got[0].node, got[0].since, got[0].step) == (3, "b", 111, 130)
+    assert got[0].ratio == 1.6 and got[0].ms == {"a": 10.0, "b": 13.0}
+    assert got[0].describe().startswith("straggler: rank 3 on b computes 1.60× the others' time per step since step 111")
+
+
+@pytest.mark.parametrize(("digests", "odd", "majority"), [
+    ([5, 5, 5], [], True), ([5, 6, 5], [1], True), ([5, 6, 6, 6], [0], True),
+    ([5, 6], [0, 1], False), ([5, 5, 6, 6], [0, 1, 2, 3], False), ([7], [], True)])
+def test_the_ranks_outside_the_majority_are_the_odd_ones(digests: list[int], odd: list[int], majority: bool) -> None:
+    assert outliers(digests) == (odd, majority)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_digest_changes_with_one_flipped_bit(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(7, 5, dtype=dtype), torch.randn(3, dtype=dtype)]
+    before = digest(params)
+    assert digest([p.clone() for p in params]) == before
+    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=4)
+    assert digest(params) != before
+    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=1, step=4)  # another rank, or another step: untouched
+    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=5)
+    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=4)  # the same bit back
+    assert digest(params) == before
+
+
+def events(run: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((run / "exits").glob("*/*.json"))]
+
+
+def train(run: Path, world: int, extra: list[str], fault: dict[str, str], timeout: float = 240) -> Any:
+    """The built-in trainer on ``world`` gloo ranks, each as the only process of node n<rank+1>."""
+    args = [*SMALL, "train.epochs=6", "checkpoint.poll_steps=5", f"run.dir={run}", *extra]
+    env = {"RUN_DIR": str(run), "SLURM_JOB_ID": "7", "TRAINER_CHECKSUM": "1", **fault}
+    return wait_ranks(spawn_ranks(args, run.parent, world, env, nodes=NODES[:world]), args, timeout)
+
+
+SLOW = ["audit.straggler_steps=20"]
+
+
+def test_a_slowed_rank_is_named_with_its_node_and_a_clean_run_names_none(tmp_path: Path) -> None:
+    ok(train(tmp_path / "clean", 2, SLOW, {}))
+    assert events(tmp_path / "clean", "straggler") == []
+    run = tmp_path / "slow"
+    proc = ok(train(run, 2, SLOW, faults(slow_rank=1, slow_from_step=30, slow_factor=2.5)))
+    (s,) = events(run, "straggler")
+    assert (s["rank"], s["node"], s["action"]) == (1, "n2", "report") and s["ratio"] > 1.3, s
+    assert 31 <= s["since"] <= 36 and s["step"] - 30 <= 20 + 10, s  # named within the window after 20 slow steps
+    assert set(s["ms"]) == {"n1", "n2"} and s["ms"]["n2"] > 1.3 * s["ms"]["n1"]
+    assert "straggler: rank 1 on n2 computes" in proc.stdout
+    assert result_of(run)["outcome"] == "finished"
+    assert "straggler in attempt 1: rank 1 on n2 computed" in (run / "report.html").read_text()
+
+
+def test_on_straggler_restart_saves_and_ends_the_attempt_blaming_the_node(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = train(run, 2, [*SLOW, "audit.on_straggler=restart"], faults(slow_rank=1, slow_from_step=30, slow_factor=2.5))
+    ok(proc, EXIT_AUDIT)
+    (s,) = events(run, "straggler")
+    ends = records(run)
+    assert {r["class"] for r in ends} == {"infrastructure"} and all(r["blame"] == ["n2"] for r in ends), ends
+    assert all(r["cause"].startswith("straggler: rank 1 on n2") for r in ends)
+    assert (run / "checkpoints" / f"step_{s['step']:08d}.pt").exists(), list((run / "checkpoints").iterdir())
+    assert not (run / "result.json").exists()
+
+
+def test_a_flipped_parameter_is_caught_before_the_next_save_and_the_rerun_ends_as_if_it_never_happened(
+        tmp_path: Path) -> None:
+    """3 replicas (a majority); the reference is a run stopped at the same checkpoint (step 20) and resumed: under DDP
+    with more than 2 ranks the first step after any resume rounds differently (its gradient buckets are DDP's first
+    layout, not the one it rebuilds after a first step), so an uninterrupted run is not the measure here."""
+    saves = ["checkpoint.every_steps=20"]
+    ref = tmp_path / "ref"
+    ok(train(ref, 3, saves, faults(preempt_at_step=19), timeout=300), 75)
+    ok(train(ref, 3, saves, {}, timeout=300))
+    run = tmp_path / "run"
+    proc = train(run, 3, saves, faults(flip_at_step=27, flip_rank=1), timeout=300)
+    ok(proc, EXIT_AUDIT)
+    (c,) = events(run, "corruption")
+    assert (c["step"], c["ranks"], c["nodes"], c["majority"]) == (40, [1], ["n2"], True), c
+    assert all(r["class"] == "infrastructure" and r["blame"] == ["n2"] for r in records(run))
+    saved = {p.name.split(".")[0] for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")}
+    assert saved == {"step_00000020"}, "only the save before the flip"
+    ok(train(run, 3, saves, {}, timeout=300))  # the next attempt, clean: from step 20
+    assert Path(result_of(run)["resumed_from"]).name == Path(result_of(ref)["resumed_from"]).name == "step_00000020.pt"
+    assert result_of(run)["param_checksums"] == result_of(ref)["param_checksums"]
