@@ -42,10 +42,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def run_inner(tmp_path: Path, text: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """pytest on one file with this suite's leftovers plugin and a 3 s timeout."""
+def run_inner(tmp_path: Path, text: str, env: dict[str, str], timeout: int = 3) -> subprocess.CompletedProcess[str]:
+    """pytest on one file with this suite's leftovers plugin and a ``timeout`` (seconds)."""
     (tmp_path / "test_inner.py").write_text(text)
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 3\naddopts = -ra -p tests.leftovers\n")
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\ntimeout = {timeout}\naddopts = -ra -p tests.leftovers\n")
     return subprocess.run([sys.executable, "-m", "pytest", "-c", str(tmp_path / "pytest.ini"), "-p", "no:cacheprovider",
                            str(tmp_path / "test_inner.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
@@ -72,7 +72,12 @@ import os
 import subprocess
 import time
 
-from tests.test_slurm import slurm_env  # noqa: F401  (the fixture)
+import pytest
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    return dict(os.environ)  # the outer test's: its dev cluster's environment (no slow set-up inside the timeout)
 
 
 def test_hangs_with_a_queued_job(slurm_env):
@@ -85,7 +90,8 @@ def test_hangs_with_a_queued_job(slurm_env):
 
 def test_a_hung_cluster_test_cancels_the_jobs_it_submitted(slurm_env: dict[str, str], tmp_path: Path) -> None:
     job_file = tmp_path / "job"
-    proc = run_inner(tmp_path, HUNG_JOB, {**slurm_env, "JOB": str(job_file), "DEV_CLUSTERS": ""})  # this cluster
+    # 10 s: squeue, which the plugin asks before the test, may be slow on a busy machine.
+    proc = run_inner(tmp_path, HUNG_JOB, {**slurm_env, "JOB": str(job_file)}, timeout=10)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert any(line.startswith("FAILED") and "test_hangs_with_a_queued_job" in line and "Timeout" in line
                for line in proc.stdout.strip().splitlines()[-2:]), proc.stdout
