@@ -13,7 +13,7 @@ import torch
 from trainer.runtime.audit import EXIT_AUDIT, Detector, digest, outliers
 from trainer.testing.faults import Faults
 
-from .conftest import SMALL, faults, ok, result_of, spawn_ranks, wait_ranks
+from .conftest import ROOT, SMALL, faults, ok, result_of, spawn_ranks, wait_ranks
 
 NODES = ["n1", "n2", "n3"]
 
@@ -139,3 +139,25 @@ def test_a_flipped_parameter_is_caught_before_the_next_save_and_the_rerun_ends_a
     ok(train(run, 3, saves, {}, timeout=300))  # the next attempt, clean: from step 20
     assert Path(result_of(run)["resumed_from"]).name == Path(result_of(ref)["resumed_from"]).name == "step_00000020.pt"
     assert result_of(run)["param_checksums"] == result_of(ref)["param_checksums"]
+
+
+CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
+
+
+@pytest.mark.parametrize("kind", ["own loop", "fsdp"])
+def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, kind: str) -> None:
+    """The char LM example (its own loop through Session), and FSDP, where only the optimizer steps are timed (its
+    forwards gather the other ranks' shards)."""
+    run = tmp_path / "run"
+    audit = ["checkpoint.poll_steps=5", "audit.straggler_steps=20", f"run.dir={run}"]
+    env = {"RUN_DIR": str(run), **faults(slow_rank=1, slow_from_step=20, slow_factor=3)}
+    if kind == "fsdp":
+        args = [*SMALL, "train.epochs=4", "dist.strategy=fsdp", *audit]
+        ranks = spawn_ranks(args, tmp_path, 2, env, nodes=NODES[:2])
+    else:
+        args = ["--max-steps", "60", "--eval-every", "60", "--max-bytes", "60000", "--batch-size", "8",
+                "tracking.mode=disabled", *audit]
+        ranks = spawn_ranks(args, tmp_path, 2, env, script=CHAR_LM, nodes=NODES[:2])
+    ok(wait_ranks(ranks, args, 240))
+    (s,) = events(run, "straggler")
+    assert (s["rank"], s["node"]) == (1, "n2") and 21 <= s["since"] <= 26 and s["step"] <= 50, s
