@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from cluster.storage_url import connect_url
 from cluster.study import storage
 from cluster.sweep_status import newest_sweep, read_sweep
 
@@ -20,5 +21,5 @@ def serve(sweep_dir: str | None, port: int, host: str = "127.0.0.1") -> int:
     print(f"optuna-dashboard for sweep {record['sweep_id']} (study in {where}): http://{host}:{port}/dashboard/ "
           "(Ctrl-C stops it)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        run_server(storage(where, folder), host=host, port=port)
+        run_server(storage(connect_url(where, folder), folder), host=host, port=port)
     return 0

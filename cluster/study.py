@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from cluster.storage_url import connect_url, with_env_password
 from cluster.sweep_spec import SweepSpec, _err, grid, parameter
 from trainer.core.errors import UserError
 
@@ -125,7 +126,7 @@ def open_study(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Any:
     """The sweep's study, created on first use (``record``: sweep.json), with its sampler seeded by ``seed``."""
     spec = SweepSpec(**record["spec"])
     optuna = _optuna()
-    return optuna.create_study(storage=storage(spec.storage, sweep_dir), study_name=record["study"],
+    return optuna.create_study(storage=storage(connect_url(spec.storage, sweep_dir), sweep_dir), study_name=record["study"],
                                sampler=sampler(spec, seed), pruner=pruner(spec), load_if_exists=True,
                                direction="maximize" if spec.mode == "max" else "minimize")
 
@@ -160,7 +161,7 @@ def plan(spec: SweepSpec, taken: list[dict[str, Any]], count: int | None) -> lis
 
 def check(spec: SweepSpec, sweep_dir: Path) -> None:
     """What Optuna itself would refuse, now: the storage, the sampler's and the pruner's arguments."""
-    check_storage(spec.storage, sweep_dir)
+    check_storage(with_env_password(spec.storage), sweep_dir)
     sampler(spec, spec.seed)
     pruner(spec)
     try:

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster import ledger
+from cluster import ledger, storage_url
 from cluster import study as studies
 from cluster.profile import Profile, load_profile
 from cluster.submit import check_slurm, load_train_config, python_for, suspect_nodes
@@ -134,7 +134,7 @@ def _show(p: Profile, spec: SweepSpec, planned: list[dict[str, Any]] | None, swe
     """A dry run: the planned trials (random, grid) or the search space (adaptive), and the workers' batch script."""
     keys = list(spec.parameters)
     print(f"# sweep {spec.name}: {spec.method} sampler, pruner {spec.pruner}, {spec.max_parallel} worker(s) as one "
-          f"array, study in {spec.storage}, profile {p.name}")
+          f"array, study in {storage_url.hidden(spec.storage)}, profile {p.name}")
     if planned is not None:
         print(columns(["trial", *keys], [[str(i), *(show(t[k]) for k in keys)] for i, t in enumerate(planned)]))
     else:
@@ -156,6 +156,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, resu
         poll_s: float = 5.0) -> int:
     """``python -m cluster sweep``: validate, then print (dry run) or submit the workers; with wait, report the results."""
     spec = load_spec(spec_path)
+    storage_url.warn_if_exposed(Path(spec_path), spec.storage)
     record = read_sweep(Path(resume)) if resume else None
     if record is not None:
         _check_resume(spec, record, resume or "")
@@ -180,8 +181,9 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, resu
 
 def _check_resume(spec: SweepSpec, record: dict[str, Any], resume: str) -> None:
     old = record["spec"]
+    new = {**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)}
     for key in ("parameters", "metric", "mode", "command", "args", "storage"):
-        if old[key] != getattr(spec, key):
+        if old[key] != new[key]:
             raise _err(key, f"differs from the study's in {resume} ({old[key]!r}): its trials would not compare",
                        "resume with the spec the sweep was made from, changing trials, method, pruner or max_parallel")
 
@@ -191,7 +193,10 @@ def prepare(spec_path: str, spec: SweepSpec, profile: str, sweep_dir: Path, reco
     ``trials`` (a grid: by the combinations left)."""
     for sub in ("trials", "workers", "logs"):
         (sweep_dir / sub).mkdir(exist_ok=True)
-    record.update(spec_file=str(Path(spec_path).resolve()), spec=dataclasses.asdict(spec), profile=profile)
+    # Recorded with the database password hidden; the workers read the whole URL from a file only this user reads.
+    storage_url.keep(spec.storage, sweep_dir)
+    record.update(spec_file=str(Path(spec_path).resolve()), profile=profile,
+                  spec={**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)})
     write_json(sweep_dir / "sweep.json", record)
     study = studies.open_study(record, sweep_dir, spec.seed)
     taken = _taken(study)

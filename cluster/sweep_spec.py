@@ -222,14 +222,18 @@ def validate(spec: SweepSpec) -> None:
                    "method: tpe (adapts to results), random, grid (every combination) or cmaes")
     if spec.mode not in ("max", "min"):
         raise _err("mode", f"must be max or min, got {spec.mode!r}", "mode: max for accuracy, min for a loss")
-    if spec.metric not in METRICS and not (spec.metric.startswith("test_") and len(spec.metric) > 5):
+    # A command's result.json and reports hold what it writes: any name goes (a trial that lacks it fails, saying so).
+    if spec.command is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", spec.metric):
+        raise _err("metric", f"{spec.metric!r} cannot be a key of result.json", "e.g. metric: val_loss")
+    if spec.command is None and spec.metric not in METRICS and not (spec.metric.startswith("test_")
+                                                                    and len(spec.metric) > 5):
         raise _err("metric", f"{spec.metric!r} is not a metric of result.json",
                    f"use one of: {', '.join(METRICS)}, or test_<name> for any metric your task's eval_step returns")
     if spec.max_parallel < 1:
         raise _err("max_parallel", f"must be >= 1, got {spec.max_parallel}", "e.g. max_parallel: 4")
     if spec.pruner not in PRUNERS:
         raise _err("pruner", f"must be one of {', '.join(PRUNERS)}, got {spec.pruner!r}", "e.g. pruner: asha")
-    if spec.pruner != "none" and not spec.metric.startswith("test_"):
+    if spec.pruner != "none" and spec.command is None and not spec.metric.startswith("test_"):
         raise _err("pruner", f"needs intermediate values of the metric, and {spec.metric} has none: trials report "
                    "their evaluation (test_*) metrics as they train", "rank by a test_* metric, or pruner: none")
     if spec.pruner == "none" and spec.pruner_args:

@@ -159,6 +159,7 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
         for row in rows:
             step, value = row.get("step"), row["value"] if "value" in row else row.get("values", {}).get(spec.metric)
             if not isinstance(step, int) or not isinstance(value, int | float) or not math.isfinite(value):
+                _unusable(row, spec.metric, run_dir)
                 continue
             if step not in reported:
                 trial.report(float(value), step)
@@ -168,6 +169,17 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
         if once:
             return 0
         time.sleep(poll_s)
+
+
+_SAID: set[Path] = set()
+
+
+def _unusable(row: dict[str, Any], metric: str, run_dir: Path) -> None:
+    """Once per trial: a report the pruner cannot use (no step, or no finite value of the sweep's metric)."""
+    if run_dir not in _SAID:
+        _SAID.add(run_dir)
+        print(f"sweep worker: {run_dir / 'reports.jsonl'}: a report without a step or a finite {metric} ({row}): "
+              f"the pruner skips it; report(step, {{'{metric}': value}}) or the value itself", file=sys.stderr)
 
 
 def _new_lines(path: Path, offset: int) -> tuple[int, list[dict[str, Any]]]:

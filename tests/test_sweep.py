@@ -75,6 +75,7 @@ BAD_SPECS = [
     ("max_parallel: 0\n" + GRID, "sweep.max_parallel", ">= 1"),
     ("max_parallel: two\n" + GRID, "sweep.max_parallel", "Integer"),
     ("metric: accuracy\n" + GRID, "sweep.metric", "not a metric"),
+    ("metric: 'val loss'\ncommand: 'python train.py'\n" + GRID, "sweep.metric", "cannot be a key"),
     ("mode: best\n" + GRID, "sweep.mode", "max or min"),
     ("pruner: early\n" + GRID, "sweep.pruner", "median, asha"),
     ("pruner: asha\nmetric: train_samples_per_s\n" + GRID, "sweep.pruner", "intermediate values"),
@@ -621,3 +622,42 @@ def test_the_tpe_sampler_of_a_spec_concentrates_near_the_optimum(tmp_path: Path)
     tpe = median_distance(f"method: tpe\ntrials: 30\nsampler_args: {{n_startup_trials: 4}}\n{space}")
     random = median_distance(f"method: random\ntrials: 30\n{space}")
     assert tpe < 0.75 * random, (tpe, random)  # decades from the optimum, median of trials 10-29
+
+
+def test_a_database_password_is_never_shown_nor_recorded_in_the_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster import storage_url
+
+    monkeypatch.chdir(tmp_path)
+    url = "mysql+pymysql://alice:S3CRETPW@db.example:3306/sweeps"
+    spec = write(tmp_path, f"{TPE}\nstorage: \"{url}\"")
+    spec.chmod(0o644)
+    rc, out, err = cli(["sweep", str(spec), "--dry-run"], capsys)
+    assert rc == 0, err
+    assert "S3CRETPW" not in out + err and "study in mysql+pymysql://alice:***@db.example:3306/sweeps" in out
+    assert f"warning: {spec} holds a database password and other users can read it: `chmod 600 {spec}`" in err
+    spec.chmod(0o600)
+    assert cli(["sweep", str(spec), "--dry-run"], capsys)[2] == ""
+    # What the workers get: the whole URL in a file only this user reads; sweep.json keeps the hidden one.
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    storage_url.keep(url, folder)
+    secret = folder / storage_url.SECRET
+    assert secret.stat().st_mode & 0o777 == 0o600 and storage_url.connect_url(storage_url.hidden(url), folder) == url
+    # Or no password in the spec at all: the environment's.
+    monkeypatch.setenv(storage_url.PASSWORD_ENV, "fromenv")
+    bare = "mysql+pymysql://alice@db.example/sweeps"
+    assert storage_url.connect_url(bare, tmp_path) == "mysql+pymysql://alice:fromenv@db.example/sweeps"
+    assert storage_url.connect_url("journal", folder) == "journal" and storage_url.hidden("journal") == "journal"
+    storage_url.keep(bare, tmp_path)  # nothing to keep
+    assert not (tmp_path / storage_url.SECRET).exists()
+
+
+def test_a_command_sweep_takes_any_metric_its_script_writes_and_prunes_on_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec = write(tmp_path, "command: 'python train.py --lr {optim.lr}'\nmetric: val_loss\nmode: min\npruner: median\n"
+                 + TPE.replace("trials: 4", "trials: 3"))
+    rc, out, err = cli(["sweep", str(spec), "--dry-run"], capsys)
+    assert rc == 0, err
+    assert "pruner median" in out

@@ -138,6 +138,13 @@ def test_a_sweep_in_mariadb_fails_and_reruns_the_trial_of_a_cancelled_worker(
     out = sh([sys.executable, "-m", "cluster", "sweep-status", str(folder)], env, cwd=tmp_path).stdout
     assert f"{len(study.trials)} of 3 trials" in out and "failed" in out
 
+    # The password is in one file only this user reads; nothing else in the sweep's folder or the ledger holds it.
+    password = mariadb_url.split(":")[2].split("@")[0]
+    leaks = [p for p in [*folder.rglob("*"), *Path(env["TRAINER_LEDGER"]).rglob("*")]
+             if p.is_file() and p.name != "storage-url" and password.encode() in p.read_bytes()]
+    assert not leaks and (folder / "storage-url").stat().st_mode & 0o777 == 0o600, leaks
+    assert ":***@" in record_of(folder)["spec"]["storage"]
+
     # One W&B run per trial, grouped by the sweep, named after the trial.
     t = retry.number
     (wandb_file,) = (folder / "trials" / str(t)).glob("wandb/offline-run-*/run-*.wandb")
