@@ -1,8 +1,9 @@
 """What the audits cost and whether they cry wolf (trainer/runtime/audit.py, section 12 of docs/benchmarks.md).
 
 Overhead: the built-in trainer on 2 gloo processes with the audits at their defaults (compute times at every poll,
-the replicas compared before every save, here every 50 steps) against the same run with both off, as interleaved
-pairs; the ratio of their training rates. False alarms: clean runs of a tiny model (a few milliseconds a step, where
+the replicas compared before every save, here every 50 steps) against the same run with both off, and with the
+replay audit every 100 steps against it off, as interleaved pairs; the ratios of their training rates.
+False alarms: clean runs of a tiny model (a few milliseconds a step, where
 this 2-core machine's noise weighs most) with the detector at its defaults, the straggler events counted.
 
 ``python -m benchmarks.audit`` writes docs/benchmarks-audit.json and the section.
@@ -40,12 +41,14 @@ def measure(n_pairs: int, size: int, clean_steps: int, tmp: Path) -> dict[str, A
     base = [f"data.synthetic_train_size={size}", "checkpoint.every_steps=50"]
     got = pairs(n_pairs, lambda: run(base, tmp), lambda: run([*base, *OFF], tmp))
     ratio = spread([on["train_samples_per_s"] / off["train_samples_per_s"] for on, off in got])
+    replayed = pairs(n_pairs, lambda: run([*base, "audit.replay_every_steps=100"], tmp), lambda: run(base, tmp))
+    replay = spread([on["train_samples_per_s"] / off["train_samples_per_s"] for on, off in replayed])
     # False alarms: clean runs with the detector on (and in the overhead pairs' audited runs too).
     clean = [run([*TINY, f"data.synthetic_train_size={16 * clean_steps}"], tmp)]
     steps = sum(r["global_step"] for r in clean) + sum(on["global_step"] for on, _ in got)
     alarms = sum(len(r["stragglers"]) for r in clean) + sum(len(on["stragglers"]) for on, _ in got)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "pairs": n_pairs, "size": size,
-            "on_vs_off": ratio, "clean_steps": steps, "false_alarms": alarms,
+            "on_vs_off": ratio, "replay_vs_not": replay, "clean_steps": steps, "false_alarms": alarms,
             "tiny_step_ms": 1000 / clean[0]["train_samples_per_s"] * 16,
             "command": f"python -m benchmarks.audit --pairs {n_pairs} --size {size} --clean-steps {clean_steps}"}
 
@@ -60,12 +63,15 @@ def section(r: dict[str, Any] | None) -> list[str]:
         "| what | figure |", "|---|---|",
         f"| training rate, audits at their defaults ÷ both off ({r['pairs']} interleaved pairs, {r['size']} samples, a "
         f"save every 50 steps) | {show(r['on_vs_off'], '{:.3f}×')} |",
+        f"| training rate, replay audit every 100 steps ÷ without it (the same pairs' setting) | "
+        f"{show(r['replay_vs_not'], '{:.3f}×')} |",
         f"| straggler events in {r['clean_steps']:,} clean steps (the pairs' audited runs and a tiny model at "
         f"{r['tiny_step_ms']:.1f} ms a step) | {r['false_alarms']} |", "",
         "The rate ratio's spread is this machine's run-to-run noise as much as the audits' cost: each pair's two runs "
-        "differ only in `audit.straggler_steps=0 audit.replicas_every_steps=-1`. What the audits add per step is a "
-        "clock read around each training forward and optimizer step, one float per rank in the poll's all-reduce, and "
-        "at each save one pass over the parameters and one small gather.", ""]
+        "differ only in `audit.straggler_steps=0 audit.replicas_every_steps=-1` (or `audit.replay_every_steps=100`). "
+        "What the audits add per step is a clock read around each training forward and optimizer step, one float per "
+        "rank in the poll's all-reduce, and at each save one pass over the parameters and one small gather; a replay "
+        "adds one forward and backward on every rank, its inputs sent to the next rank, every 100 steps.", ""]
 
 
 def main() -> int:

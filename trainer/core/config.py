@@ -169,23 +169,23 @@ class CheckpointConfig:
 @dataclass
 class AuditConfig:
     straggler_ratio: float = 1.3
-    """A rank whose compute time per step (forward and optimizer, collectives aside) stays above this × the others'
-    median is a straggler (> 1)."""
+    """A rank whose compute per step (forwards, optimizer; not collectives) stays above this × the others' is slow."""
     straggler_steps: int = 50
-    """Steps a rank must stay that slow before it is named; 0 turns straggler detection off."""
+    """Steps a rank must stay that slow before it is named a straggler; 0 turns straggler detection off."""
     on_straggler: str = "report"
-    """report (an event, a console line, the report and status say which node) or restart (save, and end the attempt
-    blaming that node: a spare node, a shrink or a requeue without it takes over)."""
+    """report (event, console, report, status name the node) or restart (save, end the attempt blaming the node)."""
     replicas_every_steps: int = 0
     """DDP: steps between the ranks' comparison of their parameters, which must be bit-identical; 0: before every
     checkpoint save (a disagreement never saves); -1: off."""
+    replay_every_steps: int = 0
+    """DDP: every N steps each rank's step is computed again by the next rank and the gradients compared bit for bit
+    (deterministic algorithms only); 0: off. Make checkpoint.every_steps a multiple of it."""
 
 
 @dataclass
 class RunConfig:
     dir: str | None = None
-    """Run folder (config, checkpoints, results). Default: $RUN_DIR (set by the batch script), else
-    runs/<Slurm job id>, else runs/<time stamp>."""
+    """Run folder (config, checkpoints, results). Default: $RUN_DIR (the batch script's), runs/<job id>, runs/<time>."""
     name: str | None = None
     """Human-readable run name (tracking); default: the run folder's name."""
     python_path: list[str] = field(default_factory=list)
@@ -251,7 +251,7 @@ POSITIVE = ("data.batch_size", "data.synthetic_train_size", "data.synthetic_test
 NON_NEGATIVE = ("data.synthetic_noise", "optim.momentum", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "checkpoint.every_steps", "checkpoint.every_minutes", "train.max_steps", "train.eval_every",
                 "data.global_batch_size", "checkpoint.mtbf_hours", "checkpoint.memory_every_steps",
-                "audit.straggler_steps")
+                "audit.straggler_steps", "audit.replay_every_steps")
 
 
 def help_text() -> str:

@@ -177,9 +177,10 @@ def audit_lines(runs: list[Attempt]) -> list[str]:
             out.append(f"straggler in attempt {i}: rank {e['rank']} on {e['node']} computed {e['ratio']:.2f}× the others' "
                        f"time per step from step {e['since']} (named at step {e['step']}; {times}); {then}")
         for e in a.times("corruption"):
-            who = ", ".join(e["nodes"]) if e["nodes"] else "no node (no majority)"
-            out.append(f"silent corruption in attempt {i}: ranks {e['ranks']} disagreed with the other replicas at step "
-                       f"{e['step']}; not saved, restarted from the last checkpoint, blaming {who}")
+            who = ", ".join(e.get("nodes") or []) or "no node (no majority)"
+            what = e.get("cause") or f"ranks {e.get('ranks')} disagreed with the other replicas at step {e.get('step')}"
+            out.append(f"silent corruption in attempt {i}: {what}; not saved, restarted from the last checkpoint, "
+                       f"blaming {who}")
     return out
 
 

@@ -25,6 +25,8 @@ from trainer.core import exits
 from trainer.core.config import Config
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
+from trainer.core.errors import UserError
+from trainer.runtime.replay import Replay, digest
 from trainer.testing.faults import Faults
 
 if TYPE_CHECKING:
@@ -151,15 +153,6 @@ class Detector:
         return {n: round(1000 * statistics.median(ts), 2) for n, ts in nodes.items()}
 
 
-def digest(params: list[torch.Tensor]) -> int:
-    """A number that changes with any single flipped bit of the parameters: each one's bytes summed, weighted by its
-    position (on the parameters' device; one read back)."""
-    total = torch.zeros((), dtype=torch.int64, device=params[0].device) if params else torch.zeros((), dtype=torch.int64)
-    for i, p in enumerate(params):
-        total += p.detach().contiguous().view(-1).view(torch.uint8).sum() * (i + 1)
-    return int(total)
-
-
 def outliers(digests: list[int]) -> tuple[list[int], bool]:
     """The ranks whose digest differs from the majority's, and whether there is a majority (more than half agree)."""
     counts: dict[int, int] = {}
@@ -201,11 +194,35 @@ class Audit:
         if self.replicas and cfg.dist.strategy == "fsdp":
             self.replicas = False
             say("audit: replica agreement is off under dist.strategy=fsdp (each rank holds its own shard, no replica)")
+        self.replay = self._replay(cfg, model, optimizers, device) if self.cfg.replay_every_steps else None
+
+    def _replay(self, cfg: Config, model: nn.Module | None, optimizers: list[torch.optim.Optimizer],
+                device: torch.device) -> Replay:
+        """The replay audit, or a UserError where it cannot run."""
+        key = "audit.replay_every_steps"
+        if self.env.world_size == 1 or cfg.dist.strategy == "fsdp" or model is None:
+            raise UserError(key, "needs DDP replicas: another process to compute each step again", "run 2 or more "
+                            "processes with dist.strategy=ddp (and Session.wrap), or audit.replay_every_steps=0")
+        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+            raise UserError(key, "needs deterministic algorithms on the GPU: a replay would differ without a fault",
+                            "call torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 set, "
+                            "or audit.replay_every_steps=0")
+        faults, rank = self.faults, self.env.rank
+        return Replay(model, optimizers, self.env, self.cfg.replay_every_steps, device, self.nodes,
+                      lambda g, i, n, step: faults.flip_grad(g, i, n, rank, step), self._replayed_wrong, self.say)
+
+    def _replayed_wrong(self, cause: str, nodes: list[str], step: int) -> None:
+        self.emit("corruption", durable=True, step=step, kind="replay", nodes=nodes, cause=cause)
+        self.say(f"{cause}; not saving: the attempt ends and the run goes on from the last checkpoint")
+        if self.stop is None:
+            self.stop = Stop(cause, nodes, save=False)
 
     def after_step(self, step: int, times: tuple[float, ...]) -> None:
         """After each step's poll (collective): the test fault's flipped bit; every ``replicas_every_steps`` the
         replicas compared; at a poll, ``times`` (every rank's compute per step) name stragglers."""
         self.step = step
+        if self.replay is not None:
+            self.replay.step = step
         if self.model is not None:
             self.faults.flip(list(self.model.parameters()), self.env.rank, step)
         every = self.cfg.replicas_every_steps
@@ -256,5 +273,6 @@ class Audit:
         return EXIT_AUDIT
 
     def close(self) -> None:
-        if self.meter:
-            self.meter.close()
+        for part in (self.meter, self.replay):
+            if part is not None:
+                part.close()

@@ -89,4 +89,8 @@ class RunDir:
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             say(self.env, f"note: no run report ({type(exc).__name__}: {exc})")
             return {}
-        return summary(figures(runs)) if runs else {}
+        try:
+            return summary(figures(runs)) if runs else {}
+        except Exception as exc:  # noqa: BLE001 - a bug in the figures never fails the run they describe
+            say(self.env, f"note: no run summary ({type(exc).__name__}: {exc})")
+            return {}

@@ -7,6 +7,7 @@ a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass, fields
@@ -56,6 +57,30 @@ class Faults:
     """Rank ``flip_rank`` flips one bit of a parameter after this step (the run's; -1: never): silent corruption."""
     flip_rank: int = 1
     """The rank whose parameter ``flip_at_step`` corrupts."""
+    grad_flip_from_step: int = -1
+    """Rank ``grad_flip_rank`` flips one bit of a local gradient in every step from this one on (-1: never): a faulty
+    device, whose every computation is wrong the same way (its replays of other ranks' steps too)."""
+    grad_flip_rank: int = 1
+    """The faulty rank of ``grad_flip_from_step``."""
+    grad_flip_seed: int = 0
+    """Which parameter, value and mantissa bit the faulty rank flips (seeded)."""
+
+    def flip_grad(self, grad: torch.Tensor, index: int, count: int, rank: int, step: int) -> torch.Tensor:
+        """Parameter ``index`` of ``count``'s local gradient as the faulty rank computes it: one bit of one value
+        flipped (a copy)."""
+        if rank != self.grad_flip_rank or self.grad_flip_from_step < 0 or step < self.grad_flip_from_step:
+            return grad
+        pick = random.Random(self.grad_flip_seed)
+        if index != pick.randrange(count):
+            return grad
+        out = grad.detach().clone().contiguous()
+        flat = out.view(-1)
+        at = pick.randrange(flat.numel())
+        bits = flat[at:at + 1].view(torch.uint8)
+        bit = pick.randrange(8 * (bits.numel() - 1))  # a mantissa's bytes (all but the top one)
+        with torch.no_grad():
+            bits[bit // 8] ^= 1 << (bit % 8)
+        return out
 
     def stretch(self, seconds: float, rank: int, step: int) -> None:
         """Inside a measured compute phase that took ``seconds``: the slow rank takes ``slow_factor`` times as long."""
