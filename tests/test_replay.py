@@ -122,3 +122,22 @@ def test_a_replay_on_one_process_is_refused_with_a_hint(tmp_path: Path) -> None:
     proc = run_trainer([*SMALL, "audit.replay_every_steps=10", f"run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 2 and "error: audit.replay_every_steps: needs DDP replicas" in proc.stderr, proc.stderr
     assert "HINT: run 2 or more processes" in proc.stderr
+
+
+def test_an_own_loop_is_replayed_too(tmp_path: Path) -> None:
+    """The char LM example (its model returns the loss; one micro-step per step): clean replays pass, a faulty rank is
+    named."""
+    from .conftest import spawn_ranks, wait_ranks
+    from .test_audit import CHAR_LM, NODES
+
+    def lm(run: Path, fault: dict[str, str]) -> Any:
+        args = ["--max-steps", "24", "--eval-every", "24", "--max-bytes", "60000", "--batch-size", "8", "--accum", "1",
+                "tracking.mode=disabled", "audit.replay_every_steps=6", f"run.dir={run}"]
+        return wait_ranks(spawn_ranks(args, tmp_path, 3, {"RUN_DIR": str(run), **fault}, script=CHAR_LM,
+                                      nodes=NODES), args, 240)
+
+    ok(lm(tmp_path / "clean", {}))
+    assert events(tmp_path / "clean", "corruption") == []
+    ok(lm(tmp_path / "faulty", faults(grad_flip_from_step=8, grad_flip_rank=2, grad_flip_seed=5)), EXIT_AUDIT)
+    found = events(tmp_path / "faulty", "corruption")
+    assert found and {e["step"] for e in found} == {12} and all(e["nodes"] == ["n3"] for e in found), found

@@ -115,8 +115,10 @@ class Meter:
 
 
 class Detector:
-    """Names a rank whose compute time per step stays above ``ratio`` × the others' median for ``steps`` steps. The
-    first window of an attempt (compiling, warming the allocator) and windows a rank computed nothing in are skipped."""
+    """Names a rank whose compute time per step stays above ``ratio`` × the others' median for ``steps`` steps, on
+    average over that stretch. A stretch starts at a window above ``ratio`` and goes on through windows above half
+    the margin (1.15 for 1.3: one noisy window does not hide a straggler, nor does one make one). The first window of
+    an attempt (compiling, warming the allocator) and windows a rank computed nothing in are skipped."""
 
     def __init__(self, ratio: float, steps: int, nodes: list[str], start: int) -> None:
         self.ratio, self.steps, self.nodes, self.last = ratio, steps, nodes, start
@@ -135,15 +137,15 @@ class Detector:
         out = []
         for rank, t in enumerate(times):
             ratio = t / statistics.median(times[:rank] + times[rank + 1:])
-            if ratio <= self.ratio:
+            if ratio <= (self.ratio if rank not in self.slow else 1 + (self.ratio - 1) / 2):
                 self.slow.pop(rank, None)
                 continue
             first, weighted = self.slow.get(rank, (since, 0.0))
             self.slow[rank] = (first, weighted + ratio * span)
-            if step - first >= self.steps and rank not in self.named:
+            mean = (weighted + ratio * span) / (step - first)
+            if step - first >= self.steps and mean > self.ratio and rank not in self.named:
                 self.named.add(rank)
-                out.append(Straggler(rank, self.nodes[rank], round((weighted + ratio * span) / (step - first), 2),
-                                     first + 1, step, self.per_node(times)))
+                out.append(Straggler(rank, self.nodes[rank], round(mean, 2), first + 1, step, self.per_node(times)))
         return out
 
     def per_node(self, times: list[float]) -> dict[str, float]:
