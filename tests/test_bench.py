@@ -65,8 +65,9 @@ def test_the_audit_section_shows_the_overhead_and_the_false_alarms() -> None:
 
     r = {"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-26", "command": "python -m benchmarks.audit",
          "pairs": 2, "size": 8, "on_vs_off": spread([0.99, 1.004]), "replay_vs_not": spread([0.98, 0.99]),
-         "clean_steps": 10000, "false_alarms": 0,
+         "clean_steps": 10000, "slowed_named": [[(1, 50)], []], "false_alarms": 0,
          "tiny_step_ms": 3.0}
     text = "\n".join(audit.section(r))
     assert "| 0.997× (0.990×–1.004×) |" in text and "| straggler events in 10,000 clean steps" in text
+    assert "| rank 1 after 50; not named |" in text
     assert audit.section(None)[2].startswith("Not measured yet")
