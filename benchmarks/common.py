@@ -78,11 +78,14 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, target: list[str], ok_if: str = "") -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``target`` under a local torchrun; return the finished process and when it was launched."""
+def torchrun(nproc: int, target: list[str], ok_if: str = "",
+             extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``target`` under a local torchrun (``extra``: variables on top of a clean environment); return the finished
+    process and when it was launched."""
     launched = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           *target], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                           *target], env={**clean_env(), **(extra or {})}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
     if proc.returncode and not (ok_if and ok_if in proc.stdout):
         raise RuntimeError(f"{' '.join(target)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return proc, launched
