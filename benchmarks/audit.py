@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, machine, pairs, show, splice, spread, torchrun
+from benchmarks.common import ROOT, machine, pairs, publish, show, spread, torchrun
 
 OFF = ["audit.straggler_steps=0", "audit.replicas_every_steps=-1"]
 TINY = ["data.image_size=8", "data.batch_size=8", "train.eval_every=0", "data.synthetic_test_size=64"]
@@ -98,10 +98,7 @@ def main() -> int:
                                              Path(tmp))
         else:
             r = measure(a.pairs, a.size, a.clean_steps, Path(tmp))
-    (a.out / "benchmarks-audit.json").write_text(json.dumps(r, indent=1) + "\n")
-    lines = section(r)
-    splice(a.out / "benchmarks.md", lines)
-    print("\n".join(lines))
+    publish(a.out, "audit", r, section(r))
     return 0
 
 

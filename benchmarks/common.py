@@ -113,6 +113,16 @@ def bare_run(nproc: int, batch: int, size: int, device: str = "cpu") -> dict[str
     return result
 
 
+def publish(out: Path, name: str | None, results: dict[str, Any], lines: list[str]) -> None:
+    """A benchmark's end: its results as ``out``/benchmarks-<name>.json (``name`` None: kept by the caller), its
+    section spliced into ``out``/benchmarks.md when that page exists, and the section printed."""
+    if name is not None:
+        (out / f"benchmarks-{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    if (out / "benchmarks.md").exists():
+        splice(out / "benchmarks.md", lines)
+    print("\n".join(lines))
+
+
 def splice(md: Path, lines: list[str]) -> None:
     """Put a section (``lines``, its first line the ``## N. Title`` heading) into an existing docs/benchmarks.md:
     in place of the section of that number, else before the first section numbered higher, else at the end."""

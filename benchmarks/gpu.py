@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoints import checkpoint_cost
-from benchmarks.common import ROOT, bare_run, each, machine, pairs, show, splice, spread, trainer_run
+from benchmarks.common import ROOT, bare_run, each, machine, pairs, publish, show, spread, trainer_run
 
 
 def precision_rows(repeats: int, smoke: bool) -> list[dict[str, Any]] | dict[str, str]:
@@ -213,9 +213,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     results = measure(a.repeats, a.train_size, None, a.out)
-    if (a.out / "benchmarks.md").exists():
-        splice(a.out / "benchmarks.md", section(results))
-    print("\n".join(section(results)))
+    publish(a.out, None, results, section(results))  # measure() kept benchmarks-gpu.json
     return 0
 
 

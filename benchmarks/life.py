@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, dev_cluster_env, machine, splice
+from benchmarks.common import ROOT, dev_cluster_env, machine, publish
 from benchmarks.recovery import events_of, wait_until
 from trainer.runtime.attempts import attempts, figures, recoveries
 
@@ -145,10 +145,7 @@ def main() -> int:
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as t:
         results = measure(a.seed, Path(t))
-    (a.out / "benchmarks-life.json").write_text(json.dumps(results, indent=1))
-    if (a.out / "benchmarks.md").exists():
-        splice(a.out / "benchmarks.md", section(results))
-    print("\n".join(section(results)))
+    publish(a.out, "life", results, section(results))
     return 0 if results["same_result"] else 1
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, show, splice, spread
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, publish, show, spread
 from trainer.runtime.attempts import PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
@@ -177,11 +177,7 @@ def main() -> int:
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as t:
         results = measure(a.repeats, Path(t))
-    (a.out / "benchmarks-recovery.json").write_text(json.dumps(results, indent=1))
-    md = a.out / "benchmarks.md"
-    if md.exists():
-        splice(md, section(results))
-    print("\n".join(section(results)))
+    publish(a.out, "recovery", results, section(results))
     return 0
 
 

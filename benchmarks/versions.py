@@ -10,7 +10,6 @@ whose cluster is down is left out (`make dev-cluster SLURM=24.11` starts one).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, dev_cluster_env, machine, show, splice, spread
+from benchmarks.common import ROOT, dev_cluster_env, machine, publish, show, spread
 from benchmarks.recovery import slurm_run
 
 VERSIONS = ("", "24.11", "26.05")
@@ -69,10 +68,7 @@ def main() -> int:
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as t:
         results = measure(a.repeats, Path(t))
-    (a.out / "benchmarks-versions.json").write_text(json.dumps(results, indent=1))
-    if (a.out / "benchmarks.md").exists():
-        splice(a.out / "benchmarks.md", section(results))
-    print("\n".join(section(results)))
+    publish(a.out, "versions", results, section(results))
     return 0
 
 
