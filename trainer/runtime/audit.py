@@ -225,7 +225,7 @@ class Audit:
         self.step = step
         if self.replay is not None:
             self.replay.step = step
-        if self.model is not None:
+        if self.model is not None and self.faults.flip_at_step >= 0:  # the test fault; no list built every step else
             self.faults.flip(list(self.model.parameters()), self.env.rank, step)
         every = self.cfg.replicas_every_steps
         if self.replicas and every > 0 and step % every == 0:
