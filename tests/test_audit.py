@@ -164,4 +164,6 @@ def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, ki
         ranks = spawn_ranks(args, tmp_path, 2, env, script=CHAR_LM, nodes=NODES[:2])
     ok(wait_ranks(ranks, args, 240))
     (s,) = events(run, "straggler")
-    assert (s["rank"], s["node"]) == (1, "n2") and 21 <= s["since"] <= 26 and s["step"] <= 50, s
+    # A busy machine may stretch a window just before the slowdown past the ratio: the stretch then starts there
+    # and goes on through the slowdown (FSDP times only the short optimizer steps, so it sees such noise most).
+    assert (s["rank"], s["node"]) == (1, "n2") and 11 <= s["since"] <= 26 and s["step"] <= 50, s
