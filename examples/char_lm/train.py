@@ -3,9 +3,11 @@
     torchrun --nproc-per-node=2 examples/char_lm/train.py --max-steps 300
     python examples/char_lm/train.py --max-steps 300 run.dir=runs/char checkpoint.every_steps=50
     torchrun --nproc-per-node=2 examples/char_lm/train.py --global-batch 32 run.dir=runs/char   # then on 1 process
+    python examples/char_lm/make_shards.py /tmp/bytes && python examples/char_lm/train.py --shards /tmp/bytes
 
 Flags shape the model and the loop; ``key=value`` words configure the session (run folder, checkpoints, W&B:
-see `python -m trainer --help`). The text is Python's own standard library source: on every machine, no download.
+see `python -m trainer --help`). The text is Python's own standard library source: on every machine, no download;
+with ``--shards DIR`` it is read from byte shards (make_shards.py) through trainer.Shards, as large data would be.
 Preempted (USR2/TERM), it saves, exits 75 and, started again, continues bit-exactly where it stopped. With
 ``--global-batch`` the samples of each optimizer step are fixed whatever the number of processes, so it may also
 continue on another number of processes (to float tolerance: sums are reduced in another order).
@@ -26,6 +28,7 @@ from model import GPT, GPTConfig
 from torch.utils.data import Dataset
 
 import trainer
+import trainer.data
 
 MODULES = ("argparse", "dataclasses", "json.decoder", "textwrap", "fractions", "shlex", "pathlib", "typing")
 
@@ -65,7 +68,24 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--max-bytes", type=int, default=300_000, help="bytes of text to train and evaluate on")
     p.add_argument("--sample", type=int, default=3, help="lines to sample at the end")
+    p.add_argument("--shards", type=Path, help="a folder of byte shards (make_shards.py): train-*.bin and val-*.bin")
     return p.parse_known_args()  # what is left are the session's key=value overrides
+
+
+def shifted(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window of block + 1 tokens as (input, target)."""
+    return chunk[:-1], chunk[1:]
+
+
+def datasets(args: argparse.Namespace, block: int) -> tuple[Dataset[Any], Dataset[Any]]:
+    """Training and evaluation windows: of the byte shards in ``--shards``, else of the text in memory."""
+    if args.shards:
+        read = trainer.data.Tokens(block, dtype="uint8")
+        return (trainer.Shards(f"{args.shards}/train-*.bin", read, shifted),
+                trainer.Shards(f"{args.shards}/val-*.bin", read, shifted))
+    data = corpus(args.max_bytes)
+    cut = int(0.9 * len(data))
+    return Windows(data[:cut], block), Windows(data[cut:], block)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -97,17 +117,16 @@ def evaluate(sess: trainer.Session, model: torch.nn.Module, loader: Any, amp: An
 def main() -> int:
     args, overrides = parse()
     with trainer.Session(overrides) as sess:
-        data = corpus(args.max_bytes)
-        cut = int(0.9 * len(data))
         c = GPTConfig(block=args.block, layers=args.layers, dim=args.dim)
         model = sess.wrap(GPT(c))
         cuda = sess.device.type == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, args))
-        loader = sess.loader(Windows(data[:cut], c.block), args.batch_size, args.global_batch or None)
+        train_set, val_set = datasets(args, c.block)
+        loader = sess.loader(train_set, args.batch_size, args.global_batch or None)
         accum = loader.accumulation if args.global_batch else args.accum
-        val = sess.eval_loader(Windows(data[cut:], c.block), args.batch_size)
+        val = sess.eval_loader(val_set, args.batch_size)
         start = sess.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
         def amp() -> Any:  # bf16 on GPUs; the CPU trains in fp32

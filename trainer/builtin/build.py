@@ -76,7 +76,7 @@ def build_parts(cfg: Config) -> Parts:
     return Parts(data, model, build_task(cfg), record(cfg))
 
 
-BUILTIN_SHAPES = {"synthetic": (1, 0), "mnist": (1, 28), "cifar10": (3, 32), "imagefolder": (3, 0)}
+BUILTIN_SHAPES = {"synthetic": (1, 0), "mnist": (1, 28), "cifar10": (3, 32), "imagefolder": (3, 0), "shards": (3, 0)}
 """(channels, size) of the built-in data sets; size 0: data.image_size."""
 
 

@@ -1,4 +1,5 @@
-"""The built-in data sets: synthetic by default, MNIST/CIFAR-10/ImageFolder from a local path, or ``data.target``."""
+"""The built-in data sets: synthetic by default, MNIST/CIFAR-10/ImageFolder/WebDataset shards from a local path, or
+``data.target``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 from trainer.builtin import targets as plugins
 from trainer.core.config import Config
 from trainer.core.errors import UserError
+from trainer.data import ShardError, Shards
 from trainer.runtime.loader import InMemory
 
 
@@ -92,6 +94,29 @@ def torchvision_data(cfg: Config) -> Data:
     return Data(train, test, 3, size)
 
 
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp", "ppm", "npy", "pth")
+
+
+def labelled_image(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """A decoded WebDataset sample as ``(image, label)``: its first image member, standardized, and its ``.cls``."""
+    image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+    if image is None or "cls" not in sample:
+        raise ShardError(f"sample {sample.get('__key__')!r} has members {sorted(k for k in sample if k != '__key__')}: "
+                         f"data.name=shards needs an image ({', '.join(IMAGE_KEYS)}) and a .cls label",
+                         "write shards with <key>.png and <key>.cls, or pass data.target for other samples")
+    image = torch.as_tensor(image, dtype=torch.float32)
+    return (image - image.mean()) / image.std().clamp_min(1e-6), int(sample["cls"])  # unit scale, as the synthetic set
+
+
+def shards_data(cfg: Config) -> Data:
+    """WebDataset tar shards of an image and a class label under ``data.root`` (its train/ and val/ if there)."""
+    root = Path(cfg.data.root or "")
+    split = (root / "train").is_dir()
+    train = Shards(root / "train" if split else str(root), transform=labelled_image)
+    test = Shards(root / "val", transform=labelled_image) if split and (root / "val").is_dir() else None
+    return Data(train, test, *_image_shape(train))
+
+
 def _is_data(obj: Any) -> bool:
     return isinstance(obj, (Dataset, IterableDataset)) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
@@ -132,4 +157,6 @@ def build_data(cfg: Config) -> Data:
             raise UserError("train.max_steps", "is required with an iterable data set (it has no epoch length)",
                             "e.g. train.max_steps=1000")
         return data
+    if cfg.data.name == "shards":
+        return shards_data(cfg)
     return synthetic(cfg) if cfg.data.name == "synthetic" else torchvision_data(cfg)

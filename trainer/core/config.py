@@ -20,21 +20,21 @@ from trainer.core.legacy import LEGACY, take_legacy
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    """Built-in data set: synthetic (no download), mnist, cifar10 or imagefolder; ignored when data.target is set."""
+    """Built-in data set: synthetic (no download), mnist, cifar10, imagefolder, shards (WebDataset tar); not with data.target."""
     target: str | None = None
     """Your data: import path (pkg.mod:build or pkg.mod.build) of a function returning (train, eval) data sets
     (eval may be None); map-style sets get the exact-resume sampler, iterable ones need train.max_steps."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for data.target, e.g. data.kwargs.path=/data/x."""
     root: str | None = None
-    """Folder holding the data set for mnist/cifar10/imagefolder; nothing is downloaded."""
+    """Folder of mnist/cifar10/imagefolder, or of the shards (train/ and val/ inside or not; or a glob); no download."""
     batch_size: int = 32
     """Samples per process per micro-step; the global batch is batch_size × processes × grad_accum. With
     data.global_batch_size set: the most samples a process runs at once (the micro-batch is derived)."""
     global_batch_size: int = 0
     """Samples per optimizer step, whatever the number of processes (0: batch_size × processes × grad_accum):
     gradient accumulation is derived at start-up, so a run resumed on another world size trains on the same
-    global batches, step by step (map-style sets only; the last partial global batch of each epoch is dropped)."""
+    global batches, step by step (map-style and sharded sets; the last partial global batch of each epoch is dropped)."""
     num_workers: int = -1
     """DataLoader worker processes per rank; 0 loads in the training process; -1 (auto): 0 for the in-memory
     synthetic set, else up to 4, leaving each process's share of cores one core to compute on."""
@@ -233,7 +233,7 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.name": ("synthetic", "mnist", "cifar10", "imagefolder"),
+    "data.name": ("synthetic", "mnist", "cifar10", "imagefolder", "shards"),
     "optim.name": ("sgd", "adamw"),
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),

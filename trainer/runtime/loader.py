@@ -12,8 +12,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.data.shards import Shards
 from trainer.runtime.batches import BatchPlan, plan
-from trainer.runtime.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler
+from trainer.runtime.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
+from trainer.testing import faults
 
 
 class InMemory(TensorDataset):
@@ -56,38 +58,54 @@ class Loader:
     Map-style sets are shuffled per epoch by a sampler whose order depends only on (seed, epoch), so a resumed
     run continues with exactly the batches the uninterrupted run would have seen. With a ``plan`` (a global batch)
     each optimizer step takes the same samples whatever the number of processes, so that holds on another world size
-    too. Iterable sets read their own share on each rank (the set decides), and resume through their own state, if any.
+    too. A sharded set (``Shards``) is read as one stream by position, with or without a global batch: a resume on any
+    world size starts at the next unread sample. Iterable sets read their own share on each rank (the set decides),
+    and resume through their own state, if any.
     """
 
     def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, plan: BatchPlan | None = None,
                  **kwargs: Any) -> None:
-        self.plan, self.world_size = plan, env.world_size
+        self.plan, self.world_size, self.rank = plan, env.world_size, env.rank
+        self.faults = faults.load()
         self.dataset, self.batch_size = dataset, plan.micro if plan else batch_size
         self.iterable = isinstance(dataset, IterableDataset)
         if self.iterable and plan:
             raise UserError("data.global_batch_size", "needs a map-style data set (__len__ and __getitem__): an "
                             "iterable set reads its own share on each process, so its samples per step would change "
                             "with their number", "leave it out (data.batch_size is per process), or index the set")
-        self.sampler: ResumableSampler | GlobalBatchSampler | None = None
-        if self.iterable:
-            self.loader: DataLoader[Any] = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
+        self.sampler: ResumableSampler | GlobalBatchSampler | StreamSampler | None = None
+        self.loader: DataLoader[Any]
+        if isinstance(dataset, Shards):
+            self.plan = plan or BatchPlan(batch_size * env.world_size, env.world_size, batch_size, 1)
+            self.sampler = StreamSampler(dataset, self.plan, env.rank, seed)
+            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
+        elif self.iterable:
+            self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
         elif plan is None:
             self.sampler = ResumableSampler(dataset, env, seed)
             self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
         else:
-            for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
-                if key in kwargs:  # the global batch decides these: a user's choice would silently be another run
-                    raise ValueError(f"loader(): {key} cannot be set with global_batch_size: the global batch sampler "
-                                     "shuffles by (seed, epoch) and drops the last partial global batch")
             self.sampler = GlobalBatchSampler(len(dataset), plan, env.rank, seed)  # type: ignore[arg-type]
-            if not self.sampler.steps_per_epoch:
-                raise UserError("data.global_batch_size", f"{plan.global_batch} is more than the {len(dataset)} "  # type: ignore[arg-type]
-                                "samples of the training set", "use a smaller global batch")
-            self.loader = DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
+            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
         self.epoch = 0
+        self.base = 0
+        """Samples of this epoch the whole job had consumed where the current split began (a sharded set resumed on
+        another split starts there)."""
         """Epochs finished; it moves on as the last batch of an epoch is handed out."""
         self.position = 0
         """Batches of this epoch this rank has handed out."""
+
+    def _batched(self, sampler: GlobalBatchSampler | StreamSampler, kwargs: dict[str, Any]) -> Any:
+        for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
+            if key in kwargs:  # the global batch decides these: a user's choice would silently be another run
+                raise ValueError(f"loader(): {key} cannot be set with global_batch_size or a sharded set: the "
+                                 "sampler orders by (seed, epoch) and drops the last partial global batch")
+        if not sampler.steps_per_epoch:
+            assert self.plan is not None
+            raise UserError("data.global_batch_size", f"{self.plan.global_batch} samples per step are more than the "
+                            f"{len(self.dataset)} samples of the training set",  # type: ignore[arg-type]
+                            "use a smaller global batch (or batch size)")
+        return sampler
 
     @property
     def accumulation(self) -> int:
@@ -96,7 +114,7 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (map-style sets only)."""
-        if isinstance(self.sampler, GlobalBatchSampler):
+        if isinstance(self.sampler, (GlobalBatchSampler, StreamSampler)):
             return self.sampler.steps_per_epoch * self.accumulation
         if self.sampler is None:
             raise TypeError("an iterable data set has no length")
@@ -109,15 +127,20 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch."""
-        if isinstance(self.sampler, GlobalBatchSampler):
+        if isinstance(self.sampler, StreamSampler):
+            self.sampler.start_epoch(self.epoch, self.position, self.base)
+        elif isinstance(self.sampler, GlobalBatchSampler):
             self.sampler.start_epoch(self.epoch, self.position)
         elif self.sampler is not None:
             self.sampler.start_epoch(self.epoch, self.position * self.batch_size)
         left = self.remaining()
         for i, batch in enumerate(self.loader):
+            if self.faults.ledger and isinstance(self.sampler, StreamSampler):
+                self.faults.record(self.rank, {"epoch": self.epoch, "k": self.position, "world": self.world_size,
+                                               "items": self.sampler.items(self.position)})
             self.position += 1
             if i == left - 1:  # the epoch is over once its last batch is out: a save now starts the next one
-                self.epoch, self.position = self.epoch + 1, 0
+                self.epoch, self.position, self.base = self.epoch + 1, 0, 0
             yield batch
         if self.sampler is None:  # an iterable set ran dry: that was an epoch
             self.epoch, self.position = self.epoch + 1, 0
@@ -135,7 +158,8 @@ class Loader:
     def state_dict(self) -> dict[str, int]:
         """The position, and as ``samples`` the samples of this epoch consumed by all ranks together."""
         return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
-                "world_size": self.world_size, "samples": self.position * self.batch_size * self.world_size,
+                "world_size": self.world_size, "base": self.base,
+                "samples": self.base + self.position * self.batch_size * self.world_size,
                 "global_batch_size": self.plan.global_batch if self.plan else 0}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -145,7 +169,9 @@ class Loader:
         consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
         split = (state["world_size"], state["batch_size"], state.get("global_batch_size", 0))
         if split == (self.world_size, self.batch_size, self.plan.global_batch if self.plan else 0):
-            pass  # the very same batches: even a save inside an accumulation window resumes exactly
+            self.base = state.get("base", 0)  # the very same batches: even a save inside an accumulation window
+        elif isinstance(self.sampler, StreamSampler):  # the next unread sample of the stream, whatever the new split
+            self.base, self.position = consumed, 0
         elif self.plan is not None and not self.iterable:
             self.position = -(-consumed // self.plan.global_batch) * self.plan.accumulation
         else:
@@ -168,7 +194,14 @@ def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_ba
     planned = plan(global_batch_size, env.world_size, batch_size) if global_batch_size else None
     if planned:
         say(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch){planned.advice(batch_size)}")
-    return Loader(dataset, env, batch_size, seed, planned, **kwargs)
+    made = Loader(dataset, env, batch_size, seed, planned, **kwargs)
+    if isinstance(dataset, Shards):
+        global_batch = made.plan.global_batch if made.plan else 0
+        for note in dataset.notes:
+            say(f"note: {note}")
+        say(f"{dataset.describe()}; {len(made) // made.accumulation:,} steps of {global_batch} samples per epoch "
+            f"(the last {len(dataset) % global_batch} samples of each epoch's order are left out, as drop_last does)")
+    return made
 
 
 def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:

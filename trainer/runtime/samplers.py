@@ -1,5 +1,5 @@
-"""Samplers a loader resumes from: the training set's (exact resume; per rank or by global batch) and an evaluation
-set's (disjoint shards)."""
+"""Samplers a loader resumes from: the training set's (exact resume; per rank, by global batch, or a sharded set's
+stream) and an evaluation set's (disjoint parts)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from trainer.core.env import DistEnv
+from trainer.data.shards import Order, Shards
 from trainer.runtime.batches import BatchPlan
 
 
@@ -81,3 +82,39 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class StreamSampler(Sampler[list[tuple[int, int]]]):
+    """This rank's micro-batches of a sharded set's stream (trainer/data/shards.py). Global batch k of an epoch is
+    stream positions ``base + k·G … base + (k+1)·G - 1`` and rank r takes the r-th equal part of it, so the samples
+    of every step, and the step at which an epoch ends, do not depend on how many processes or workers read them.
+    ``base`` is where this split of the epoch began: a resume on another world size starts at the next unread
+    sample, exactly."""
+
+    def __init__(self, shards: Shards, plan: BatchPlan, rank: int, seed: int) -> None:
+        self.shards, self.plan, self.rank, self.seed = shards, plan, rank, seed
+        self.epoch, self.skip, self.base = 0, 0, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole global batches left in the epoch from ``base``."""
+        return (len(self.shards) - self.base) // self.plan.global_batch
+
+    def start_epoch(self, epoch: int, skip_micro: int = 0, base: int = 0) -> None:
+        """Call before each epoch: its order, where this split began, and this rank's micro-batches to skip."""
+        self.epoch, self.skip, self.base = epoch, skip_micro, base
+
+    def items(self, k: int, order: Order | None = None) -> list[tuple[int, int]]:
+        """This rank's micro-batch ``k`` of the epoch's split: (shard, sample) pairs."""
+        p = self.plan
+        step, i = divmod(k, p.accumulation)
+        start = self.base + step * p.global_batch + self.rank * p.micro * p.accumulation + i * p.micro
+        return (order or self.shards.order(self.seed, self.epoch)).take(start, p.micro)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        order = self.shards.order(self.seed, self.epoch)
+        for k in range(self.skip, self.steps_per_epoch * self.plan.accumulation):
+            yield self.items(k, order)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.plan.accumulation - self.skip

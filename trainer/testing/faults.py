@@ -6,6 +6,7 @@ a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -64,6 +65,15 @@ class Faults:
     """The faulty rank of ``grad_flip_from_step``."""
     grad_flip_seed: int = 0
     """Which parameter, value and mantissa bit the faulty rank flips (seeded)."""
+    ledger: str = ""
+    """A folder: a sharded set's loader appends the samples of every micro-batch it hands out (epoch, micro-batch,
+    (shard, sample) pairs) to rank<r>.jsonl there, the per-sample ledger of the exactly-once tests."""
+
+    def record(self, rank: int, entry: dict[str, object]) -> None:
+        """One line of the per-sample ledger (nothing when ``ledger`` is unset)."""
+        if self.ledger:
+            with open(os.path.join(self.ledger, f"rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
 
     def flip_grad(self, grad: torch.Tensor, index: int, count: int, rank: int, step: int) -> torch.Tensor:
         """Parameter ``index`` of ``count``'s local gradient as the faulty rank computes it: one bit of one value

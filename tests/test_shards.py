@@ -1,0 +1,158 @@
+"""Sharded data sets (trainer.data): every format reads the same rows, the order is a function of (seed, epoch), a
+position continues exactly on any world size and worker count, and bad shards are clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from trainer.core.env import DistEnv
+from trainer.data import ShardError, Shards, Tokens
+from trainer.runtime.batches import plan
+from trainer.runtime.loader import Loader
+
+from .conftest import ROOT, ok, run_trainer
+from .shard_files import add, ident, write
+
+SIZES = [23, 0, 31, 7, 40, 3, 19]  # 123 samples, an empty shard, shards smaller than a global batch
+N = sum(SIZES)
+
+
+def env_of(rank: int, world: int) -> DistEnv:
+    return DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 29500, None, "torchrun")
+
+
+@pytest.mark.parametrize("fmt", ["tar", "jsonl", "parquet", "arrow"])
+def test_every_format_reads_the_same_rows_and_notes_the_empty_shard(tmp_path: Path, fmt: str) -> None:
+    ds = Shards(write(tmp_path / fmt, fmt, SIZES), transform=ident)
+    assert len(ds) == N and [ds[i] for i in range(N)] == list(range(N))  # by number: file order
+    if fmt != "arrow":  # datasets saves an empty set without an Arrow file: nothing to skip
+        assert len(ds.notes) == 1 and "holds no sample: skipped" in ds.notes[0]
+    order = ds.order(seed=3, epoch=0)
+    assert sorted(ds[order.locate(p)] for p in range(N)) == list(range(N))  # the stream: each sample once
+
+
+def test_token_shards_give_windows_with_the_next_token(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(bytes(range(25)))
+    ds = Shards(tmp_path / "a.bin", Tokens(block=8, dtype="uint8"))
+    assert len(ds) == 3 and ds[1].tolist() == list(range(8, 17))
+
+
+def test_the_order_depends_on_seed_and_epoch_only_and_keeps_windows_local(tmp_path: Path) -> None:
+    ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident, shuffle_window=5)
+    again = Shards(write(tmp_path / "b", "jsonl", SIZES), transform=ident, shuffle_window=5)
+    take = lambda d, s, e: [d[i] for i in d.order(s, e).take(0, N)]  # noqa: E731
+    assert take(ds, 1, 0) == take(again, 1, 0) and take(ds, 1, 0) != take(ds, 1, 1) != take(ds, 2, 1)
+    order = ds.order(1, 0)
+    starts = [0, *order.ends[:-1]]
+    for p, (s, j) in enumerate(order.take(0, N)):  # a window of 5 consecutive positions is 5 neighbouring samples
+        shard = list(order.shards).index(s)
+        assert starts[shard] <= p < order.ends[shard] and j // 5 == (p - starts[shard]) // 5
+
+
+def _consume(ds: Shards, splits: list[tuple[int, int, int]], global_batch: int | None,
+             micro: int = 4) -> list[list[int]]:
+    """Steps (ids, in rank order) of attempts (world, workers, steps), each resumed from the last one's state."""
+    steps, state = [], None
+    for world, workers, count in splits:
+        planned = plan(global_batch, world, micro) if global_batch else None
+        loaders = [Loader(ds, env_of(r, world), micro, 7, planned, num_workers=workers) for r in range(world)]
+        for loader in loaders:
+            if state:
+                loader.load_state_dict(state)
+        its = [loader.forever() for loader in loaders]
+        for _ in range(count):
+            steps.append([int(i) for it, lo in zip(its, loaders, strict=True) for _ in range(lo.accumulation) for i in next(it)])
+        state = loaders[0].state_dict()
+        for loader in loaders:
+            del loader.loader
+    return steps
+
+
+def test_a_global_batch_takes_the_same_samples_at_every_step_on_any_world_size_and_workers(tmp_path: Path) -> None:
+    ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident, shuffle_window=5)
+    whole = _consume(ds, [(3, 0, 25)], 12)
+    cut = _consume(ds, [(3, 2, 4), (2, 0, 5), (3, 0, 3), (1, 2, 6), (2, 0, 7)], 12)
+    assert cut == whole
+    for epoch in (whole[:10], whole[10:20]):  # 123 // 12 = 10 steps an epoch
+        seen = Counter(i for step in epoch for i in step)
+        assert len(seen) == 120 and max(seen.values()) == 1
+
+
+def test_without_a_global_batch_a_resume_on_another_world_size_continues_at_the_next_sample(tmp_path: Path) -> None:
+    ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident)
+    steps = _consume(ds, [(3, 0, 3), (2, 0, 3), (1, 0, 5)], None)  # 36 + 24 + 20: epoch 0's first 80 (36 = 4.5 steps of 8)
+    seen = Counter(i for step in steps for i in step)
+    assert sum(seen.values()) == 80 and max(seen.values()) == 1
+    order = ds.order(7, 0)
+    assert [i for step in steps for i in step] == [ds[order.locate(p)] for p in range(80)]
+
+
+@pytest.mark.parametrize(("make", "expected", "hint"), [
+    (lambda d: d / "nope", "'.*nope' does not exist", "a file, a folder or a glob"),
+    (lambda d: d / "*.tar", "matches no shard file", "check the path"),
+    (lambda d: _file(d / "a.tar", gzip.compress(_tar_bytes(3))), "cannot read shard '.*a.tar' after byte 0",
+     "plain \\(uncompressed\\) tar"),
+    (lambda d: _file(d / "a.tar", _tar_bytes(3)[:1024] + b"x" * 700 + _tar_bytes(3)[1024:]),
+     "cannot read shard '.*a.tar' after byte 1024", "rewrite or remove"),
+    (lambda d: (_file(d / "a.jsonl", b'{"id": 1}\n'), _file(d / "b.jsonl", b'{"ids": 1}\n'))[0].parent,
+     "shards '.*a.jsonl' and '.*b.jsonl' differ in schema", "one schema"),
+    (lambda d: _file(d / "a.jsonl", b""), "no shard holds a sample", "all empty"),
+    (lambda d: _file(d / "a.jsonl", b'{"id": 1\n'), "cannot read shard '.*a.jsonl' at line 1", "rewrite"),
+    (lambda d: _file(d / "a.csv", b"id\n1\n"), "no reader for '.*a.csv'", "reader="),
+])
+def test_bad_shards_name_the_file_and_place(tmp_path: Path, make: object, expected: str, hint: str) -> None:
+    with pytest.raises(ShardError, match=expected) as caught:
+        Shards(make(tmp_path))  # type: ignore[operator]
+    assert caught.value.field == "data.path"
+    assert __import__("re").search(hint, caught.value.hint), caught.value.hint
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _tar_bytes(n: int) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for i in range(n):
+            add(tar, f"s{i}.json", json.dumps({"id": i}).encode())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_truncated_mid_run_is_a_shard_error_naming_it_even_from_a_worker(tmp_path: Path, workers: int) -> None:
+    folder = write(tmp_path, "tar", [40, 40])
+    ds = Shards(folder, transform=ident)
+    for f in folder.iterdir():
+        f.write_bytes(f.read_bytes()[:2048])
+    loader = Loader(ds, env_of(0, 1), 4, 0, None, num_workers=workers)
+    with pytest.raises(ShardError, match=r"cannot read shard '.*part-00[01].tar' at sample 's0000\d\d'"):
+        for _ in loader.forever():
+            pass
+
+
+def test_a_missing_shard_folder_exits_2_before_training(tmp_path: Path) -> None:
+    proc = run_trainer(["data.name=shards", f"data.root={tmp_path / 'none'}", "tracking.mode=disabled"], tmp_path)
+    ok(proc, 2)
+    assert "error: data.path: shard" in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_shards_example_trains_the_built_in_trainer_on_its_webdataset_folder(tmp_path: Path) -> None:
+    made = __import__("subprocess").run([sys.executable, str(ROOT / "examples" / "shards" / "make_shards.py"),
+                                         str(tmp_path / "wds")], capture_output=True, text=True, check=True)
+    assert "train" in made.stdout
+    run = tmp_path / "run"
+    proc = ok(run_trainer(["data.name=shards", f"data.root={tmp_path / 'wds'}", "train.epochs=1", f"run.dir={run}",
+                           "tracking.mode=disabled", "data.num_workers=0", "train.log_every=5"], tmp_path))
+    assert "8 shard(s), 1,024 samples" in proc.stdout, proc.stdout
+    result = json.loads((run / "result.json").read_text())
+    assert result["test_accuracy"] > 0.5, result

@@ -1,0 +1,243 @@
+"""Readers of shard files, one per format: each indexes a file once (sample count, schema, where samples start) and
+reads a sample by its number. The order in which samples are read is not theirs to decide (trainer/data/shards.py).
+
+The formats are read through the libraries that own them (tarfile and webdataset's decoders, pyarrow, datasets);
+an index is plain data, so it travels to DataLoader workers, which open files lazily.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import tarfile
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainer.core.errors import UserError
+
+_HINT = "rewrite or remove that file (the shard list is data.path / Shards(paths))"
+
+
+class ShardError(UserError):
+    """A shard that cannot be read, naming the file and where in it. Built from one message, so a DataLoader
+    worker's error reaches the training process as itself (DataLoader re-raises ``type(message)``)."""
+
+    def __init__(self, message: str, hint: str = _HINT) -> None:
+        if message.startswith("Caught "):  # re-raised from a worker: keep the original's own line
+            message = message.rstrip().rsplit("\n", 1)[-1].split("data.path: ", 1)[-1]
+        super().__init__("data.path", message, hint)
+
+
+@dataclass(frozen=True)
+class Index:
+    """What a reader learnt from one pass over a shard: its samples and their schema."""
+
+    path: str
+    count: int
+    schema: Hashable
+    starts: Any = field(default=None, compare=False)
+    """Where each sample starts, as the format needs it (tar members, JSONL line offsets, Parquet row groups)."""
+
+
+class Reader(Protocol):
+    """One shard format."""
+
+    def index(self, path: Path) -> Index:
+        """Count the samples of ``path`` and say where they start; a ShardError naming the file and place if not."""
+        ...
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        """Sample ``j`` of the shard (``cache`` holds this process's open files)."""
+        ...
+
+
+COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
+"""The first bytes of gzip, bzip2, xz and zstd files."""
+
+
+def _add(samples: list[tuple[str, list[tuple[str, int, int]]]], member: tarfile.TarInfo) -> None:
+    """A tar member into its sample: consecutive members ``<key>.<ext>`` with one key make one sample."""
+    base = member.name.rsplit("/", 1)[-1]
+    key, _, ext = base.partition(".")
+    key = member.name[: len(member.name) - len(base)] + key
+    if not samples or samples[-1][0] != key:
+        samples.append((key, []))
+    samples[-1][1].append((ext, member.offset_data, member.size))
+
+
+def _fail(path: str, where: str, exc: BaseException | str) -> ShardError:
+    return ShardError(f"cannot read shard {path!r} {where}: {exc}")
+
+
+class Tar:
+    """WebDataset shards: plain tar files whose consecutive members ``<key>.<ext>`` make one sample, a dict
+    ``{"__key__": key, ext: value}`` decoded by webdataset's decoders (``image`` as in ``webdataset.imagehandler``)."""
+
+    def __init__(self, image: str = "torchrgb", decode: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.image, self.decode = image, decode
+
+    def index(self, path: Path) -> Index:
+        samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+        place = 0
+        try:
+            with open(path, "rb") as f:
+                if f.read(6).startswith(COMPRESSED):
+                    raise ShardError(f"cannot read shard {str(path)!r} after byte 0: it is compressed",
+                                     "shards must be plain (uncompressed) tar files: samples are read by offset")
+                f.seek(0)
+                with tarfile.open(fileobj=f, mode="r:") as tar:
+                    for member in tar:
+                        place = member.offset
+                        if member.isfile():
+                            _add(samples, member)
+                    place = tar.offset
+                f.seek(place)
+                if f.read().strip(b"\0"):  # tarfile ends quietly at a bad header after the first: say where
+                    raise tarfile.ReadError("not a tar header (a corrupt or overwritten file)")
+        except (OSError, tarfile.TarError) as exc:
+            raise ShardError(f"cannot read shard {str(path)!r} after byte {place}: {exc}") from None
+        exts = tuple(sorted({e for _, m in samples[:1] for e, _, _ in m}))
+        return Index(str(path), len(samples), ("tar", exts), samples)
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        key, members = index.starts[j]
+        sample: dict[str, Any] = {"__key__": key}
+        try:
+            f = cache.get(index.path) or cache.setdefault(index.path, open(index.path, "rb"))  # noqa: SIM115
+            for ext, offset, size in members:
+                f.seek(offset)
+                sample[ext] = f.read(size)
+                if len(sample[ext]) != size:
+                    raise OSError(f"{size - len(sample[ext])} bytes missing (truncated file)")
+        except OSError as exc:
+            raise _fail(index.path, f"at sample {key!r}, byte {members[0][1]}", exc) from None
+        if self.decode is not None:
+            return self.decode(sample)
+        if "decoder" not in cache:
+            import webdataset.autodecode as wds
+
+            cache["decoder"] = wds.Decoder([wds.imagehandler(self.image), wds.basichandlers])
+        return cache["decoder"](sample)
+
+
+class Jsonl:
+    """JSON Lines: one JSON object per line (blank lines skipped); the schema is the first object's keys."""
+
+    def index(self, path: Path) -> Index:
+        offsets: list[int] = []
+        try:
+            with open(path, "rb") as f:
+                place = 0
+                for line in f:
+                    if line.strip():
+                        offsets.append(place)
+                    place += len(line)
+                first = json.loads(_line_at(f, offsets[0])) if offsets else {}
+        except (OSError, ValueError) as exc:
+            raise _fail(str(path), "at line 1" if offsets else "", exc) from None
+        schema = tuple(sorted(first)) if isinstance(first, dict) else type(first).__name__
+        return Index(str(path), len(offsets), ("jsonl", schema), offsets)
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        try:
+            f = cache.get(index.path) or cache.setdefault(index.path, open(index.path, "rb"))  # noqa: SIM115
+            return json.loads(_line_at(f, index.starts[j]))
+        except (OSError, ValueError) as exc:
+            raise _fail(index.path, f"at row {j} (byte {index.starts[j]})", exc) from None
+
+
+def _line_at(f: Any, offset: int) -> bytes:
+    f.seek(offset)
+    return f.readline()
+
+
+class Parquet:
+    """Parquet files through pyarrow: a sample is a row as a dict; row groups are read whole and the last two kept."""
+
+    def index(self, path: Path) -> Index:
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.ParquetFile(path)
+            sizes = [meta.metadata.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            schema = str(meta.schema_arrow)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors have no common base but name the problem
+            raise _fail(str(path), "(its footer)", exc) from None
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        return Index(str(path), sum(sizes), ("parquet", schema), ends)
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        import pyarrow.parquet as pq
+
+        group = bisect.bisect_right(index.starts, j)
+        start = index.starts[group - 1] if group else 0
+        groups: dict[tuple[str, int], list[dict[str, Any]]] = cache.setdefault("parquet", {})
+        rows = groups.get((index.path, group))
+        if rows is None:
+            try:
+                rows = pq.ParquetFile(index.path).read_row_group(group).to_pylist()
+            except Exception as exc:  # noqa: BLE001
+                raise _fail(index.path, f"at row {j} (row group {group})", exc) from None
+            if len(groups) >= 2:
+                groups.pop(next(iter(groups)))
+            groups[(index.path, group)] = rows
+        return rows[j - start]
+
+
+class Arrow:
+    """Arrow files of a Hugging Face data set saved with ``save_to_disk``, memory-mapped through ``datasets``."""
+
+    def index(self, path: Path) -> Index:
+        try:
+            ds = _arrow(str(path))
+            return Index(str(path), len(ds), ("arrow", str(ds.features)))
+        except ShardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - datasets/pyarrow errors name the problem
+            raise _fail(str(path), "", exc) from None
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        ds = cache.get(index.path) or cache.setdefault(index.path, _arrow(index.path))
+        return ds[j]
+
+
+def _arrow(path: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ShardError(f"{path!r} is an Arrow shard, read through Hugging Face datasets, which is not installed",
+                         "pip install 'slurm-ddp-trainer[hf]' (or datasets)") from None
+
+    return datasets.Dataset.from_file(path)
+
+
+class Tokens:
+    """Flat token files (``.bin``, as nanoGPT writes them): sample j is tokens ``j*block … (j+1)*block`` plus the next
+    one, as an int64 tensor of ``block + 1`` (input and shifted target)."""
+
+    def __init__(self, block: int, dtype: str = "uint16") -> None:
+        self.block, self.dtype = block, dtype
+
+    def index(self, path: Path) -> Index:
+        import numpy as np
+
+        try:
+            tokens = path.stat().st_size // np.dtype(self.dtype).itemsize
+        except OSError as exc:
+            raise _fail(str(path), "", exc) from None
+        return Index(str(path), max(0, (tokens - 1) // self.block), ("tokens", self.dtype, self.block))
+
+    def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
+        import numpy as np
+        import torch
+
+        data = cache.get(index.path)
+        if data is None:
+            data = cache.setdefault(index.path, np.memmap(index.path, dtype=self.dtype, mode="r"))
+        return torch.from_numpy(data[j * self.block: (j + 1) * self.block + 1].astype(np.int64))
+
+
+BY_SUFFIX: dict[str, Callable[[], Reader]] = {".tar": Tar, ".jsonl": Jsonl, ".parquet": Parquet, ".arrow": Arrow}
+"""The reader a file's suffix picks when none is given (token files need their block length: ``Tokens(block)``)."""
