@@ -136,8 +136,7 @@ class Loader:
         left = self.remaining()
         for i, batch in enumerate(self.loader):
             if self.faults.ledger and isinstance(self.sampler, StreamSampler):
-                self.faults.record(self.rank, {"epoch": self.epoch, "k": self.position, "world": self.world_size,
-                                               "items": self.sampler.items(self.position)})
+                self.faults.record(self.rank, self.sampler.ledger_entry(self.epoch, self.position))
             self.position += 1
             if i == left - 1:  # the epoch is over once its last batch is out: a save now starts the next one
                 self.epoch, self.position, self.base = self.epoch + 1, 0, 0

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from trainer.core.env import DistEnv
+from trainer.core.exits import attempt_id
 from trainer.data.shards import Order, Shards
 from trainer.runtime.batches import BatchPlan
 
@@ -110,6 +111,12 @@ class StreamSampler(Sampler[list[tuple[int, int]]]):
         step, i = divmod(k, p.accumulation)
         start = self.base + step * p.global_batch + self.rank * p.micro * p.accumulation + i * p.micro
         return (order or self.shards.order(self.seed, self.epoch)).take(start, p.micro)
+
+    def ledger_entry(self, epoch: int, k: int) -> dict[str, object]:
+        """Micro-batch ``k`` as the exactly-once tests' ledger records it: where its step starts in the stream."""
+        step_start = self.base + k // self.plan.accumulation * self.plan.global_batch
+        return {"attempt": attempt_id(), "epoch": epoch, "step_start": step_start, "world": self.plan.world_size,
+                "items": self.items(k)}
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         order = self.shards.order(self.seed, self.epoch)
