@@ -16,7 +16,7 @@ import pytest
 from trainer.core.env import DistEnv
 from trainer.data import ShardError, Shards, Tokens
 from trainer.runtime.batches import plan
-from trainer.runtime.loader import Loader
+from trainer.runtime.loader import Loader, shutdown_workers
 
 from .conftest import ROOT, ok, run_trainer
 from .shard_files import add, ident, write
@@ -134,10 +134,11 @@ def test_a_shard_truncated_mid_run_is_a_shard_error_naming_it_even_from_a_worker
     ds = Shards(folder, transform=ident)
     for f in folder.iterdir():
         f.write_bytes(f.read_bytes()[:2048])
-    loader = Loader(ds, env_of(0, 1), 4, 0, None, num_workers=workers)
+    loader = Loader(ds, env_of(0, 1), 4, 0, None, num_workers=workers, persistent_workers=workers > 0)
     with pytest.raises(ShardError, match=r"cannot read shard '.*part-00[01].tar' at sample 's0000\d\d'"):
         for _ in loader.forever():
             pass
+    shutdown_workers(loader.loader)  # as the session does at its end
 
 
 def test_a_missing_shard_folder_exits_2_before_training(tmp_path: Path) -> None:
@@ -156,3 +157,56 @@ def test_the_shards_example_trains_the_built_in_trainer_on_its_webdataset_folder
     assert "8 shard(s), 1,024 samples" in proc.stdout, proc.stdout
     result = json.loads((run / "result.json").read_text())
     assert result["test_accuracy"] > 0.5, result
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_shards_of_every_header_format_and_long_keys_index_alike(tmp_path: Path, fmt: int) -> None:
+    keys = ["short", "d" * 90 + "/" + "k" * 60, "é" * 30]  # a ustar prefix, a long name, non-ASCII (pax)
+    with tarfile.open(tmp_path / "a.tar", "w", format=fmt) as tar:
+        for i, key in enumerate(keys):
+            if fmt == tarfile.USTAR_FORMAT and not key.isascii():
+                continue
+            add(tar, f"{key}.json", json.dumps({"id": i}).encode())
+            add(tar, f"{key}.cls", b"1")
+    ds = Shards(tmp_path / "a.tar")
+    got = [(ds[i]["__key__"], ds[i]["json"]["id"], ds[i]["cls"]) for i in range(len(ds))]
+    assert got == [(k, i, 1) for i, k in enumerate(keys) if fmt != tarfile.USTAR_FORMAT or k.isascii()]
+
+
+def test_a_resume_reads_only_the_samples_it_trains_on(tmp_path: Path) -> None:
+    from trainer.data import Jsonl
+
+    class Counting(Jsonl):
+        reads: list[int] = []
+
+        def read(self, index, j, cache):  # type: ignore[no-untyped-def]
+            got = super().read(index, j, cache)
+            self.reads.append(got["id"])
+            return got
+
+    reader = Counting()
+    ds = Shards(write(tmp_path, "jsonl", [200, 200]), reader, transform=ident, shuffle_window=50)
+    loader = Loader(ds, env_of(0, 2), 4, 0, None)
+    loader.load_state_dict({"epoch": 0, "position": 0, "batch_size": 4, "world_size": 3, "samples": 156})
+    batch = next(iter(loader))  # mid-shard, mid-window, on another world size
+    order = ds.order(0, 0)
+    read = list(reader.reads)
+    assert read == batch.tolist() == [ds[order.locate(p)] for p in range(156, 160)]
+
+
+def test_the_char_lm_on_byte_shards_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """examples/char_lm on the byte shards its make_shards.py writes: preempted on 2 processes, finished on 1."""
+    import subprocess
+
+    shards = tmp_path / "bytes"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "char_lm" / "make_shards.py"), str(shards), "--shards", "3",
+                    "--shard-bytes", "20000"], check=True, capture_output=True)
+    script, run = ROOT / "examples" / "char_lm" / "train.py", tmp_path / "run"
+    args = ["--shards", str(shards), "--max-steps", "12", "--eval-every", "12", "--global-batch", "8", "--batch-size", "4",
+            "--block", "32", "--sample", "0", f"run.dir={run}", "checkpoint.poll_steps=1", "tracking.mode=disabled"]
+    first = run_trainer(args, tmp_path, nproc=2, env={"TRAINER_FAULTS": "preempt_at_step=4"}, script=script)
+    ok(first, 75)
+    assert "3 shard(s), 1,872 samples" in first.stdout, first.stdout
+    second = ok(run_trainer(args, tmp_path, nproc=1, script=script))
+    assert "global batch 8 = 1 process(es)" in second.stdout
+    assert json.loads((run / "result.json").read_text())["global_step"] == 12
