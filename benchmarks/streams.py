@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import Dataset
+
 from benchmarks.common import ROOT, machine, pairs, publish, show, spread
 
 BATCH = 64
@@ -53,7 +55,7 @@ def in_memory(folder: Path, workers: int) -> Any:
     import webdataset.autodecode as wa
     from torch.utils.data import DataLoader
 
-    samples: dict[str, dict[str, bytes]] = {}
+    samples: dict[str, dict[str, Any]] = {}
     for shard in sorted(folder.glob("*.tar")):
         with tarfile.open(shard) as tar:
             for m in tar:
@@ -63,7 +65,9 @@ def in_memory(folder: Path, workers: int) -> Any:
                       batch_size=BATCH, shuffle=True, num_workers=workers)
 
 
-class Decoded:
+class Decoded(Dataset[Any]):
+    """Raw samples in memory, decoded and transformed as they are fetched."""
+
     def __init__(self, raw: list[dict[str, Any]], decoder: Any) -> None:
         self.raw, self.decoder = raw, decoder
 
