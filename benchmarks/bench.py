@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import audit, cadence, gpu, life, projection, recovery, versions
+from benchmarks import audit, cadence, gpu, life, projection, recovery, streams, versions
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, dev_cluster_env, each, machine, pairs, show, splice, spread, trainer_run
 from benchmarks.sharded import memory_rows, save_pairs
@@ -259,7 +259,7 @@ def main() -> int:
     page.write_text(render(results))
     for lines in [kept, recovery.section(stored(a.out, "recovery")), projection.section(a.out),
                   life.section(stored(a.out, "life")), versions.section(stored(a.out, "versions")),
-                  audit.section(stored(a.out, "audit"))]:
+                  audit.section(stored(a.out, "audit")), streams.section(stored(a.out, "streams"))]:
         if lines:
             splice(page, lines)
     plot(results, a.out / "benchmarks-scaling.png")

@@ -71,3 +71,12 @@ def test_the_audit_section_shows_the_overhead_and_the_false_alarms() -> None:
     assert "| 0.997× (0.990×–1.004×) |" in text and "| straggler events in 10,000 clean steps" in text
     assert "| rank 1 after 50; not named |" in text
     assert audit.section(None)[2].startswith("Not measured yet")
+
+
+def test_the_streams_section_shows_the_ratios_and_memory() -> None:
+    from benchmarks import streams
+
+    r = json.loads((ROOT / "docs" / "benchmarks-streams.json").read_text())
+    text = "\n".join(streams.section(r))
+    assert "## 13. Sharded data" in text and "÷ webdataset's pipeline" in text and "shuffle buffer 10,000" in text
+    assert streams.section(None)[2].startswith("Not measured yet")

@@ -86,6 +86,14 @@ def test_a_global_batch_takes_the_same_samples_at_every_step_on_any_world_size_a
         assert len(seen) == 120 and max(seen.values()) == 1
 
 
+def test_three_shards_on_four_processes_read_every_sample_once_an_epoch(tmp_path: Path) -> None:
+    ds = Shards(write(tmp_path, "jsonl", [50, 9, 30]), transform=ident, shuffle_window=7)
+    steps = _consume(ds, [(4, 2, 5), (3, 0, 7)], 12)  # 89 // 12 = 7 steps an epoch: 12 steps reach into epoch 1
+    for epoch in (steps[:7], steps[7:]):
+        seen = Counter(i for step in epoch for i in step)
+        assert max(seen.values()) == 1 and len(seen) == 12 * len(epoch)
+
+
 def test_without_a_global_batch_a_resume_on_another_world_size_continues_at_the_next_sample(tmp_path: Path) -> None:
     ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident)
     steps = _consume(ds, [(3, 0, 3), (2, 0, 3), (1, 0, 5)], None)  # 36 + 24 + 20: epoch 0's first 80 (36 = 4.5 steps of 8)
