@@ -74,7 +74,7 @@ def check_storage(url: str, sweep_dir: Path) -> None:
 def storage(url: str, sweep_dir: Path) -> Any:
     """The study's storage object: a journal file in ``sweep_dir``, or the RDB URL as Optuna takes it."""
     if url != "journal":
-        return url
+        return _optuna().storages.RDBStorage(url)
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
@@ -122,13 +122,46 @@ def _build(field: str, kind: Any, args: dict[str, Any], **fixed: Any) -> Any:
                    f"{kind.__name__} for its arguments") from None
 
 
-def open_study(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Any:
-    """The sweep's study, created on first use (``record``: sweep.json), with its sampler seeded by ``seed``."""
+class Trials:
+    """A study with its storage: trials by number through the storage's public methods (optuna.storages.BaseStorage),
+    for what a study has no method for: re-attaching to a running trial after a requeue, failing one as lost."""
+
+    def __init__(self, study: Any, store: Any) -> None:
+        self.study, self.storage = study, store
+        self.study_id = store.get_study_id_from_name(study.study_name)
+
+    def _id(self, number: int) -> int:
+        return int(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
+
+    def frozen(self, number: int) -> Any:
+        """Trial ``number`` as it stands (an optuna FrozenTrial)."""
+        return self.storage.get_trial(self._id(number))
+
+    def live(self, number: int) -> Any:
+        """Trial ``number`` as a running optuna Trial, to report to and ask about pruning."""
+        return _optuna().trial.Trial(self.study, self._id(number))
+
+    def set_attr(self, number: int, key: str, value: Any) -> None:
+        self.storage.set_trial_user_attr(self._id(number), key, value)
+
+    def fail(self, number: int) -> None:
+        self.storage.set_trial_state_values(self._id(number), _optuna().trial.TrialState.FAIL)
+
+
+def open_trials(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Trials:
+    """The sweep's study and its storage, the study created on first use (``record``: sweep.json), with its sampler
+    seeded by ``seed``."""
     spec = SweepSpec(**record["spec"])
-    optuna = _optuna()
-    return optuna.create_study(storage=storage(connect_url(spec.storage, sweep_dir), sweep_dir), study_name=record["study"],
-                               sampler=sampler(spec, seed), pruner=pruner(spec), load_if_exists=True,
-                               direction="maximize" if spec.mode == "max" else "minimize")
+    store = storage(connect_url(spec.storage, sweep_dir), sweep_dir)
+    study = _optuna().create_study(storage=store, study_name=record["study"], sampler=sampler(spec, seed),
+                                   pruner=pruner(spec), load_if_exists=True,
+                                   direction="maximize" if spec.mode == "max" else "minimize")
+    return Trials(study, store)
+
+
+def open_study(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Any:
+    """The sweep's study (see ``open_trials``)."""
+    return open_trials(record, sweep_dir, seed).study
 
 
 def key(params: dict[str, Any]) -> str:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +23,7 @@ from cluster.render import (
     requeue_rule,
     run_dir_lines,
 )
+from cluster.submitit_adapter import renderable, submission_text
 from cluster.task import CommandTask, TrainTask
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
@@ -106,27 +105,11 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     return ex
 
 
-@contextlib.contextmanager
-def renderable() -> Iterator[None]:
-    """Let submitit's Slurm executor be built where Slurm is not installed, to print its script (dry runs).
-
-    Its constructor refuses without ``srun`` on PATH, though rendering the script never runs it.
-    """
-    from submitit.slurm.slurm import SlurmExecutor
-
-    original = SlurmExecutor.__dict__["affinity"]
-    SlurmExecutor.affinity = classmethod(lambda cls: 1)  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        SlurmExecutor.affinity = original  # type: ignore[method-assign]
-
-
 def submitit_script(p: Profile, args: list[str], command: Command | None = None) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
     with renderable():
-        inner = (executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True))._executor
-    return str(inner._make_submission_file_text(inner._submitit_command_str, "<uid>"))
+        ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
+    return submission_text(ex)
 
 
 def suspect_nodes(p: Profile) -> list[str]:

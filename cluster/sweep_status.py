@@ -11,12 +11,15 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster import sweep_report
 from cluster.nodes import ask
 from cluster.trials import Row, columns, show
 from trainer.core.errors import UserError
+
+if TYPE_CHECKING:
+    from cluster.study import Trials
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted")
@@ -54,12 +57,11 @@ def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
     return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
 
 
-def fail_lost(study: Any, retry: bool) -> None:
+def fail_lost(trials: Trials, retry: bool) -> None:
     """A RUNNING trial whose worker Slurm lists neither pending nor running is failed (never left RUNNING); with
     ``retry`` (a worker asking), or while another worker still lives to take it, its values are enqueued again and
     start over as a new trial. Nothing is concluded when squeue cannot answer; a worker never judges its own trial."""
-    import optuna
-
+    study = trials.study
     here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
     running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
                and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
@@ -73,8 +75,8 @@ def fail_lost(study: Any, retry: bool) -> None:
         if task in alive:
             continue
         why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
-        study._storage.set_trial_user_attr(t._trial_id, "lost", why)
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        trials.set_attr(t.number, "lost", why)
+        trials.fail(t.number)
         if retry or alive:
             study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
         print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry or alive else ""),
@@ -123,11 +125,12 @@ def _sort_key(mode: str) -> Any:
 
 def status(sweep_dir: Path) -> tuple[list[Row], Any]:
     """Every trial with its state and metric, best first (per the spec's mode), and the study."""
-    from cluster.study import open_study
+    from cluster.study import open_trials
 
     data = read_sweep(sweep_dir)
-    study = open_study(data, sweep_dir)
-    fail_lost(study, retry=False)  # retried only while a worker lives to run it
+    trials = open_trials(data, sweep_dir)
+    study = trials.study
+    fail_lost(trials, retry=False)  # retried only while a worker lives to run it
     slurm = slurm_states([str(a) for a in data.get("arrays", [])])
     rows = []
     for t in study.get_trials(deepcopy=False):

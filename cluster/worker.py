@@ -84,8 +84,7 @@ def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial:
              f"TRAINER_PRUNING={int(spec.pruner != 'none')}",
              f"set -- {shlex.join(args)}"]
     (sweep_dir / "workers" / f"{worker}.sh").write_text("\n".join(lines) + "\n")
-    write_json(sweep_dir / "workers" / f"{worker}.json", {**mine, "trial": trial.number, "trial_id": trial._trial_id,
-                                                          "run_dir": str(run_dir)})
+    write_json(sweep_dir / "workers" / f"{worker}.json", {**mine, "trial": trial.number, "run_dir": str(run_dir)})
 
 
 def next_trial(sweep_dir: Path, worker: int) -> int:
@@ -93,18 +92,17 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
     record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
     spec = SweepSpec(**record["spec"])
     with _lock(sweep_dir / "workers"):
-        study = studies.open_study(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
+        trials = studies.open_trials(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
+        study = trials.study
         if mine.get("trial") is not None:
-            trial = study._storage.get_trial(mine["trial_id"])
+            trial = trials.frozen(mine["trial"])
             if trial.state.name == "RUNNING":
-                import optuna
-
-                _write_assignment(sweep_dir, worker, mine, optuna.trial.Trial(study, mine["trial_id"]), spec, record)
+                _write_assignment(sweep_dir, worker, mine, trials.live(mine["trial"]), spec, record)
                 _record(sweep_dir, worker, record, trial.number, trial.params)  # a RESUME's array holds it now
                 print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
                       f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
                 return 0
-        fail_lost(study, retry=True)
+        fail_lost(trials, retry=True)
         recent = [h["state"] for h in mine["history"][-FAILURES_IN_A_ROW:]]
         if len(recent) == FAILURES_IN_A_ROW and set(recent) == {"FAIL"}:
             print(f"worker {worker}: its last {FAILURES_IN_A_ROW} trials failed; it stops (their logs: "
@@ -147,13 +145,12 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
     record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
     if mine.get("trial") is None:
         return 0
-    import optuna
 
     spec = SweepSpec(**record["spec"])
-    study = studies.open_study(record, sweep_dir)
-    trial = optuna.trial.Trial(study, mine["trial_id"])
+    trials = studies.open_trials(record, sweep_dir)
+    trial = trials.live(mine["trial"])
     run_dir, offset = Path(mine["run_dir"]), 0
-    reported = set(study._storage.get_trial(mine["trial_id"]).intermediate_values)
+    reported = set(trials.frozen(mine["trial"]).intermediate_values)
     while True:
         offset, rows = _new_lines(run_dir / "reports.jsonl", offset)
         for row in rows:
@@ -215,20 +212,21 @@ def end(sweep_dir: Path, worker: int, rc: int) -> int:
     record = record_of(sweep_dir)
     spec = SweepSpec(**record["spec"])
     state, value, why = _outcome(run_dir, rc, spec.metric)
-    study = studies.open_study(record, sweep_dir)
+    trials = studies.open_trials(record, sweep_dir)
+    study = trials.study
     TrialState = studies._optuna().trial.TrialState
     try:
         if state == "COMPLETE":
             study.tell(number, value)
         else:
-            study._storage.set_trial_user_attr(mine["trial_id"], "cause", why)  # before: a finished trial is frozen
+            trials.set_attr(number, "cause", why)  # before: a finished trial is frozen
             study.tell(number, state=getattr(TrialState, state))
     except (RuntimeError, ValueError) as exc:  # finished already (failed as lost while this worker was cut off)
         print(f"worker {worker}: trial {number} was already ended in the study ({exc})", file=sys.stderr)
     shown = f"{spec.metric} {value:.6g}" if value is not None else why
     print(f"worker {worker}: trial {number} {state.lower()}: {shown}", file=sys.stderr)
     write_json(sweep_dir / "workers" / f"{worker}.json",
-               {**mine, "trial": None, "trial_id": None, "history": [*mine["history"], {"trial": number, "state": state}]})
+               {**mine, "trial": None, "history": [*mine["history"], {"trial": number, "state": state}]})
     return 0
 
 

@@ -661,3 +661,22 @@ def test_a_command_sweep_takes_any_metric_its_script_writes_and_prunes_on_it(
     rc, out, err = cli(["sweep", str(spec), "--dry-run"], capsys)
     assert rc == 0, err
     assert "pruner median" in out
+
+
+def test_trials_by_number_go_through_the_storages_public_methods(tmp_path: Path) -> None:
+    """cluster.study.Trials: what a worker does to a trial it did not ask for in this process (re-attach, report,
+    fail as lost), by trial number, in a journal study."""
+    import optuna
+
+    from cluster.study import Trials, storage
+
+    store = storage("journal", tmp_path)
+    study = optuna.create_study(storage=store, study_name="s")
+    first, second = study.ask(), study.ask()
+    trials = Trials(optuna.load_study(study_name="s", storage=store), store)
+    trials.live(second.number).report(0.5, step=3)
+    trials.set_attr(first.number, "lost", "its worker is gone")
+    trials.fail(first.number)
+    assert trials.frozen(second.number).intermediate_values == {3: 0.5}
+    got = trials.frozen(first.number)
+    assert got.state == optuna.trial.TrialState.FAIL and got.user_attrs == {"lost": "its worker is gone"}
