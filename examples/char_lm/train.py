@@ -33,20 +33,6 @@ import trainer.data
 MODULES = ("argparse", "dataclasses", "json.decoder", "textwrap", "fractions", "shlex", "pathlib", "typing")
 
 
-class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Consecutive ``block``-byte windows, each with the following byte of every position as its target."""
-
-    def __init__(self, data: torch.Tensor, block: int) -> None:
-        self.data, self.block = data, block
-
-    def __len__(self) -> int:
-        return (len(self.data) - 1) // self.block
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i * self.block: (i + 1) * self.block + 1].long()
-        return chunk[:-1], chunk[1:]
-
-
 def corpus(max_bytes: int) -> torch.Tensor:
     text = b"".join(Path(importlib.import_module(m).__file__ or "").read_bytes() for m in MODULES)[:max_bytes]
     return torch.frombuffer(bytearray(text), dtype=torch.uint8)
@@ -85,7 +71,7 @@ def datasets(args: argparse.Namespace, block: int) -> tuple[Dataset[Any], Datase
                 trainer.Shards(f"{args.shards}/val-*.bin", read, shifted))
     data = corpus(args.max_bytes)
     cut = int(0.9 * len(data))
-    return Windows(data[:cut], block), Windows(data[cut:], block)
+    return trainer.data.Windows(data[:cut], block), trainer.data.Windows(data[cut:], block)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

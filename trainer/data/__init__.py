@@ -2,5 +2,6 @@
 
 from trainer.data.readers import Arrow, Jsonl, Parquet, Reader, ShardError, Tar, Tokens
 from trainer.data.shards import Shards
+from trainer.data.windows import Windows
 
-__all__ = ["Arrow", "Jsonl", "Parquet", "Reader", "ShardError", "Shards", "Tar", "Tokens"]
+__all__ = ["Arrow", "Jsonl", "Parquet", "Reader", "ShardError", "Shards", "Tar", "Tokens", "Windows"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 
 import torch
-from torch.utils.data import Dataset
+
+from trainer.data import Windows
 
 
 def stdlib_text(modules: list[str], max_bytes: int) -> bytes:
@@ -17,20 +18,6 @@ def stdlib_text(modules: list[str], max_bytes: int) -> bytes:
         with open(path, "rb") as f:
             text += f.read()
     return text[:max_bytes]
-
-
-class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Every ``block``-byte window of a byte string, with the next byte of each position as its target."""
-
-    def __init__(self, data: torch.Tensor, block: int) -> None:
-        self.data, self.block = data, block
-
-    def __len__(self) -> int:
-        return (len(self.data) - 1) // self.block
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i * self.block: (i + 1) * self.block + 1].long()
-        return chunk[:-1], chunk[1:]
 
 
 def build(block: int = 64, max_bytes: int = 400_000,
