@@ -13,14 +13,14 @@ from pathlib import Path
 from .conftest import ROOT, faults, spawn_ranks, wait_ranks
 from .shard_files import write
 
-LOOP = ROOT / "tests" / "scripts" / "shards_loop.py"
+LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
 SIZES = [23, 0, 31, 7, 40, 3, 19]  # 123 samples: 10 steps of 12 an epoch, 3 left out of each epoch's order
 STEPS, PER_EPOCH = 40, 10
 
 
 def _attempt(shards: Path, run: Path, tmp: Path, world: int, workers: int, preempt: int | None) -> str:
-    args = [str(shards), str(workers), f"run.dir={run}", "checkpoint.poll_steps=1", "tracking.mode=disabled",
-            "train.device=cpu"]
+    args = ["--shards", str(shards), "--workers", str(workers), f"run.dir={run}", "checkpoint.poll_steps=1",
+            "tracking.mode=disabled", "train.device=cpu"]
     ranks = spawn_ranks(args, tmp, world, faults(preempt_at_step=preempt) if preempt is not None else None,
                         script=LOOP)
     done = wait_ranks(ranks, args, 240)
@@ -29,7 +29,7 @@ def _attempt(shards: Path, run: Path, tmp: Path, world: int, workers: int, preem
 
 
 def _ledger(run: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / "trace.jsonl").read_text().splitlines()]
 
 
 def test_twenty_preemptions_across_world_sizes_and_workers_train_each_sample_once(tmp_path: Path) -> None:

@@ -1,31 +1,35 @@
 """An own loop on the session API with a global batch, for elastic-resume tests (any number of processes).
 
     python elastic_loop.py run.dir=RUN [dist.strategy=fsdp] [checkpoint.poll_steps=1]
+    python elastic_loop.py --shards DIR --workers N run.dir=RUN …     # JSONL shards {"id", "x"} (trainer.Shards)
 
 Each sample is (id, x, y). Every optimizer step all ranks gather the ids they trained on; rank 0 appends
-``{"step", "ids"}`` (the step's ids, sorted) to RUN/trace.jsonl, so a run cut into attempts on different world
-sizes can be compared with an uninterrupted one step by step. At the end rank 0 writes the whole parameters to
-RUN/final.pt.
+``{"step", "world", "ranks": [[ids of rank 0], …], "ids": sorted}`` to RUN/trace.jsonl, the per-sample ledger that
+compares a run cut into attempts on different world sizes with an uninterrupted one step by step. At the end rank 0
+writes the whole parameters to RUN/final.pt.
 """
 
+import argparse
 import json
-import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import trainer
 
-N, D, GLOBAL, MICRO, STEPS = 400, 8, 24, 6, 30
+N, D = 400, 8
+TENSORS = {"global": 24, "micro": 6, "steps": 30}
+SHARDS = {"global": 12, "micro": 4, "steps": 40}
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2))
-        self.head = nn.Linear(D, 2)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(width, 2)
 
     def fsdp_blocks(self) -> list[nn.Module]:
         return list(self.blocks)
@@ -36,17 +40,35 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def row(sample: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A JSONL shard's row as (id, x, y)."""
+    x = torch.tensor(sample["x"])
+    return torch.tensor(sample["id"]), x, (x.sum() > 0).long()
+
+
+def data(shards: str | None) -> tuple[Dataset[Any], int]:
+    if shards:
+        return trainer.Shards(shards, transform=row, shuffle_window=5), 4
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, D, generator=g)
+    return TensorDataset(torch.arange(N), x, (x.sum(1) > 0).long()), D
+
+
 def main() -> int:
-    with trainer.Session(sys.argv[1:]) as sess:
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(N, D, generator=g)
-        data = TensorDataset(torch.arange(N), x, (x.sum(1) > 0).long())
-        model = sess.wrap(Net())
+    p = argparse.ArgumentParser()
+    p.add_argument("--shards")
+    p.add_argument("--workers", type=int, default=0)
+    args, overrides = p.parse_known_args()
+    sizes = SHARDS if args.shards else TENSORS
+    with trainer.Session(overrides) as sess:
+        dataset, width = data(args.shards)
+        model = sess.wrap(Net(width))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        loader = sess.loader(data, batch_size=MICRO, global_batch_size=GLOBAL)
+        loader = sess.loader(dataset, batch_size=sizes["micro"], global_batch_size=sizes["global"],
+                             num_workers=args.workers)
         start = sess.restore(model=model, optimizer=opt, loader=loader)
         batches = loader.forever()
-        for step in sess.steps(start, STEPS):
+        for step in sess.steps(start, sizes["steps"]):
             ids = []
             for micro in range(loader.accumulation):
                 i, xb, yb = next(batches)
@@ -60,7 +82,8 @@ def main() -> int:
             dist.all_gather_object(everyone, ids)
             if sess.is_main:
                 with open(sess.run_dir / "trace.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "ids": sorted(sum(everyone, []))}) + "\n")
+                    f.write(json.dumps({"step": step, "world": sess.env.world_size, "ranks": everyone,
+                                        "ids": sorted(sum(everyone, []))}) + "\n")
             if sess.should_save(step):
                 sess.save(step)
                 if sess.preempted:
