@@ -21,13 +21,14 @@ from cluster.render import (
     run_dir_lines,
     sbatch_directives,
 )
+from cluster.sweep_folder import log_path
 
 
 def directives(p: Profile, sweep_dir: Path, workers: int) -> list[str]:
     """The profile's ``#SBATCH`` lines, the array of workers, and one log per worker."""
     lines = [line for line in sbatch_directives(p) if not line.startswith("#SBATCH --output=")]
     return [*lines, f"#SBATCH --array=0-{workers - 1}",
-            f"#SBATCH --output={_sbatch_path(str(sweep_dir / 'logs') + '/worker-%A_%a.out')}"]
+            f"#SBATCH --output={_sbatch_path(str(log_path(sweep_dir, '%A_%a')))}"]
 
 
 def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, command: bool, origin: str) -> str:

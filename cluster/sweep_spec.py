@@ -14,10 +14,21 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.trials import fmt, is_number
 from trainer.core.errors import UserError
 from trainer.core.files import load_yaml
 from trainer.core.legacy import LEGACY
+
+
+def fmt(value: Any) -> str:
+    """A value as YAML spells a scalar (the trials' overrides, and the status table)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
 
 METRICS = ("test_accuracy", "test_loss", "train_samples_per_s", "train_time_s", "global_step")
 """Numeric keys of a run's result.json that a sweep can rank trials by."""

@@ -6,20 +6,18 @@ What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` sub
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster import sweep_report
+from cluster.lost import fail_lost, job_indexes
 from cluster.nodes import ask
+from cluster.sweep_folder import log_path
 from cluster.trials import Row, columns, show
 from trainer.core.errors import UserError
-
-if TYPE_CHECKING:
-    from cluster.study import Trials
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted")
@@ -27,60 +25,6 @@ FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "nod
 
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
 """Optuna's trial states as the table spells them."""
-
-
-def job_indexes(job: str, array_id: str) -> list[int]:
-    """Array indexes named by a sacct/squeue JobID: ``123_4``, or a pending range ``123_[0-3,7%2]``."""
-    head, _, tail = job.partition("_")
-    if head != array_id or not tail:
-        return []
-    if tail.isdigit():
-        return [int(tail)]
-    out: list[int] = []
-    for part in tail.strip("[]").split("%")[0].split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit() and (hi.isdigit() or not hi):
-            out += range(int(lo), int(hi or lo) + 1)
-    return out
-
-
-def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
-    """The (array, task) pairs Slurm lists as pending or running (any state squeue still shows); None when squeue
-    cannot answer (then nothing may be concluded)."""
-    if not arrays:
-        return set()
-    proc = ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
-    if proc is None:
-        return None
-    if proc.returncode:  # every job gone from slurmctld's memory: "Invalid job id specified"
-        return set() if "Invalid job id" in proc.stderr else None
-    return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
-
-
-def fail_lost(trials: Trials, retry: bool) -> None:
-    """A RUNNING trial whose worker Slurm lists neither pending nor running is failed (never left RUNNING); with
-    ``retry`` (a worker asking), or while another worker still lives to take it, its values are enqueued again and
-    start over as a new trial. Nothing is concluded when squeue cannot answer; a worker never judges its own trial."""
-    study = trials.study
-    here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
-    running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
-               and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
-    if not running:
-        return
-    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
-    if alive is None:
-        return
-    for t in running:
-        task = (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1)))
-        if task in alive:
-            continue
-        why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
-        trials.set_attr(t.number, "lost", why)
-        trials.fail(t.number)
-        if retry or alive:
-            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
-        print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry or alive else ""),
-              file=sys.stderr)
 
 
 def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
@@ -197,11 +141,6 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
         print(f"trial {r.index} {r.state}: {why}; its folder: {r.run_dir}; its worker's log: "
               f"{log_path(sweep_dir, r.worker)}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def log_path(sweep_dir: Path, worker: str) -> Path:
-    """A worker's batch log (the worker script's --output)."""
-    return sweep_dir / "logs" / f"worker-{worker}.out"
 
 
 def format_status(sweep_dir: Path, rows: list[Row]) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cluster.sweep_spec import fmt
 
 
 @dataclass
@@ -30,20 +31,9 @@ class Row:
     """The array task that ran it (``<array>_<task>``)."""
 
 
-def fmt(value: Any) -> str:
-    """A value as the table shows it (YAML's spelling of scalars)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else str(value)
-
-
 def show(value: Any) -> str:
     """A value as a table shows it: floats to 4 significant digits (the trial ran with the full value)."""
     return f"{value:.4g}" if isinstance(value, float) else fmt(value)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def columns(header: list[str], rows: list[list[str]]) -> str:

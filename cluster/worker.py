@@ -24,8 +24,9 @@ from typing import Any
 
 from cluster import ledger
 from cluster import study as studies
+from cluster.lost import fail_lost
+from cluster.sweep_folder import log_path
 from cluster.sweep_spec import SweepSpec, trial_args
-from cluster.sweep_status import fail_lost, log_path
 from trainer.core.events import read as read_events
 from trainer.core.exits import attempt_id
 from trainer.core.files import write_json

@@ -40,6 +40,8 @@ PLANTED = [  # (file, line added, what the report must say)
     ("trainer/checkpoint/layout.py", "def f():\n    import trainer.checkpoint.file",
      "No cycles are allowed in trainer.checkpoint"),
     ("cluster/trials.py", "def f():\n    import cluster.sweep_status", "No cycles are allowed in cluster"),
+    ("trainer/data/shards.py", "import trainer.runtime.loader", "trainer.data is not allowed to import trainer.runtime"),
+    ("cluster/sweep_folder.py", "import cluster.render", "cluster.worker is not allowed to import cluster.render"),
 ]
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import lost, sweep, sweep_spec, sweep_status, worker
 from cluster import study as studies
-from cluster import sweep, sweep_spec, sweep_status, worker
 from cluster.__main__ import main as cluster_main
 from cluster.sweep_spec import SweepSpec, trial_args
 from trainer.core.config import load as load_train_config
@@ -232,7 +232,7 @@ def test_random_sampling_is_seeded_and_inside_the_bounds(tmp_path: Path) -> None
     ("1234_1", []), ("123", []), ("123.batch", []),
 ])
 def test_array_job_ids(job: str, indexes: list[int]) -> None:
-    assert sweep_status.job_indexes(job, "123") == indexes
+    assert lost.job_indexes(job, "123") == indexes
 
 
 def test_sweep_folders_of_one_name_started_together_differ(tmp_path: Path) -> None:

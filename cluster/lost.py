@@ -1,0 +1,67 @@
+"""Trials whose worker Slurm no longer lists: found through squeue, failed in the study and, while a worker lives
+to run them, enqueued again. Run by the sweep workers inside their jobs and by `make sweep-status`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from cluster.nodes import ask
+
+if TYPE_CHECKING:
+    from cluster.study import Trials
+
+
+def job_indexes(job: str, array_id: str) -> list[int]:
+    """Array indexes named by a sacct/squeue JobID: ``123_4``, or a pending range ``123_[0-3,7%2]``."""
+    head, _, tail = job.partition("_")
+    if head != array_id or not tail:
+        return []
+    if tail.isdigit():
+        return [int(tail)]
+    out: list[int] = []
+    for part in tail.strip("[]").split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (hi.isdigit() or not hi):
+            out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
+    """The (array, task) pairs Slurm lists as pending or running (any state squeue still shows); None when squeue
+    cannot answer (then nothing may be concluded)."""
+    if not arrays:
+        return set()
+    proc = ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
+    if proc is None:
+        return None
+    if proc.returncode:  # every job gone from slurmctld's memory: "Invalid job id specified"
+        return set() if "Invalid job id" in proc.stderr else None
+    return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
+
+
+def fail_lost(trials: Trials, retry: bool) -> None:
+    """A RUNNING trial whose worker Slurm lists neither pending nor running is failed (never left RUNNING); with
+    ``retry`` (a worker asking), or while another worker still lives to take it, its values are enqueued again and
+    start over as a new trial. Nothing is concluded when squeue cannot answer; a worker never judges its own trial."""
+    study = trials.study
+    here = (os.environ.get("SLURM_ARRAY_JOB_ID", ""), int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1")))
+    running = [t for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING" and t.user_attrs.get("array")
+               and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
+    if not running:
+        return
+    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
+    if alive is None:
+        return
+    for t in running:
+        task = (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1)))
+        if task in alive:
+            continue
+        why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
+        trials.set_attr(t.number, "lost", why)
+        trials.fail(t.number)
+        if retry or alive:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+        print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry or alive else ""),
+              file=sys.stderr)
