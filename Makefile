@@ -28,7 +28,7 @@ SWEEP ?= cluster/sweeps/example.yaml
 SWEEP_DIR ?=
 CONTAINER ?=
 
-.PHONY: help venv train test lint clean submit sweep sweep-status sweep-dashboard runs status logs cancel resubmit doctor dev-cluster dev-cluster-down sync docker sif bench report
+.PHONY: help venv train test lint clean submit sweep sweep-status sweep-dashboard runs status logs cancel resubmit doctor dev-cluster dev-cluster-down sync docker sif bench report docs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -118,6 +118,9 @@ sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `doc
 
 bench: venv  ## measure scaling, trainer vs a bare loop, checkpoint cost, launch overhead → docs/benchmarks.md
 	$(BIN)/python -m benchmarks.bench --repeats $(REPEATS)
+
+docs: venv  ## the README and docs/ as a static site in build/docs/site, every link and anchor checked (MkDocs --strict)
+	$(BIN)/python docs/site.py
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
