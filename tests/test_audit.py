@@ -96,17 +96,19 @@ SLOW = ["audit.straggler_steps=20"]
 
 
 def test_a_slowed_rank_is_named_with_its_node_within_50_steps_and_a_clean_run_names_none(tmp_path: Path) -> None:
-    """At the defaults (straggler_ratio 1.3, straggler_steps 50), slowed 2.5× from step 30: well clear of the noise
-    of a busy test machine (1.5×, the issue's figure, is measured on a quiet one: section 12 of docs/benchmarks.md)."""
+    """At the defaults (straggler_ratio 1.3, straggler_steps 50), slowed 4× from step 30: well clear of the noise
+    of a busy test machine (1.5×, the issue's figure, is measured on a quiet one: section 12 of docs/benchmarks.md).
+    On CI's oversubscribed machine the other rank, stalled by the load, once broke a 2.5× stretch so that it could not
+    reach 50 steps before the run's end: the run is 160 steps long, and the rule is checked, not one latency."""
     ok(train(tmp_path / "clean", 2, [], {}))
     assert events(tmp_path / "clean", "straggler") == []
     run = tmp_path / "slow"
-    proc = ok(train(run, 2, [], faults(slow_rank=1, slow_from_step=30, slow_factor=2.5)))
+    proc = ok(train(run, 2, ["train.epochs=10"], faults(slow_rank=1, slow_from_step=30, slow_factor=4)))
     (s,) = events(run, "straggler")
     assert (s["rank"], s["node"], s["action"]) == (1, "n2", "report") and s["ratio"] > 1.3, s
-    # Named at the first poll 50 slow steps on; a busy machine's noisy window just before step 30 may start the
-    # stretch a poll or two early (CI saw 26), which then goes on through the slowdown.
-    assert 21 <= s["since"] <= 36 and s["step"] - 30 <= 50 + 5, s
+    # Named at the first poll 50 slow steps into its stretch; the stretch starts at the slowdown, or a poll or two
+    # before it when a busy machine's noisy window precedes it (CI saw 26), or later if the load broke it once.
+    assert s["since"] >= 21 and 50 <= s["step"] - s["since"] + 1 <= 50 + 5, s  # steps since … step: the stretch
     assert set(s["ms"]) == {"n1", "n2"} and s["ms"]["n2"] > 1.3 * s["ms"]["n1"]
     assert "straggler: rank 1 on n2 computes" in proc.stdout
     assert result_of(run)["outcome"] == "finished"
