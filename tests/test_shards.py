@@ -218,3 +218,12 @@ def test_the_char_lm_on_byte_shards_resumes_on_another_world_size(tmp_path: Path
     second = ok(run_trainer(args, tmp_path, nproc=1, script=script))
     assert "global batch 8 = 1 process(es)" in second.stdout
     assert json.loads((run / "result.json").read_text())["global_step"] == 12
+
+
+def test_a_resume_on_another_split_with_less_than_a_step_left_goes_on_in_the_next_epoch(tmp_path: Path) -> None:
+    """108 samples on 3 processes, 4 more on 1, then 3 processes again: the 11 left of epoch 0 make no step of 12, so
+    the resumed loader starts epoch 1 (it must not find the epoch empty)."""
+    ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident)
+    steps = _consume(ds, [(3, 0, 9), (1, 0, 1), (3, 0, 2)], None)
+    order = ds.order(7, 1)
+    assert steps[-2:] == [[ds[order.locate(p)] for p in range(s, s + 12)] for s in (0, 12)]

@@ -88,10 +88,10 @@ class Loader:
             self.sampler = GlobalBatchSampler(len(dataset), plan, env.rank, seed)  # type: ignore[arg-type]
             self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
         self.epoch = 0
+        """Epochs finished; it moves on as the last batch of an epoch is handed out."""
         self.base = 0
         """Samples of this epoch the whole job had consumed where the current split began (a sharded set resumed on
         another split starts there)."""
-        """Epochs finished; it moves on as the last batch of an epoch is handed out."""
         self.position = 0
         """Batches of this epoch this rank has handed out."""
 
@@ -114,7 +114,9 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (map-style sets only)."""
-        if isinstance(self.sampler, (GlobalBatchSampler, StreamSampler)):
+        if isinstance(self.sampler, StreamSampler):  # from the loader's base: the sampler learns it as an epoch starts
+            return self.sampler.steps(self.base) * self.accumulation
+        if isinstance(self.sampler, GlobalBatchSampler):
             return self.sampler.steps_per_epoch * self.accumulation
         if self.sampler is None:
             raise TypeError("an iterable data set has no length")
@@ -139,10 +141,13 @@ class Loader:
                 self.faults.record(self.rank, self.sampler.ledger_entry(self.epoch, self.position))
             self.position += 1
             if i == left - 1:  # the epoch is over once its last batch is out: a save now starts the next one
-                self.epoch, self.position, self.base = self.epoch + 1, 0, 0
+                self._next_epoch()
             yield batch
         if self.sampler is None:  # an iterable set ran dry: that was an epoch
-            self.epoch, self.position = self.epoch + 1, 0
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.position, self.base = self.epoch + 1, 0, 0
 
     def forever(self) -> Iterator[Any]:
         """Batch after batch across epochs."""
@@ -176,7 +181,7 @@ class Loader:
         else:
             self.position = consumed // (self.batch_size * self.world_size)
         if self.sampler is not None and self.position >= len(self):  # another batch: the epoch is already over
-            self.epoch, self.position = self.epoch + 1, 0
+            self._next_epoch()
 
     def exact_after(self, state: dict[str, int]) -> bool:
         """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved

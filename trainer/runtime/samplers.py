@@ -96,10 +96,14 @@ class StreamSampler(Sampler[list[tuple[int, int]]]):
         self.shards, self.plan, self.rank, self.seed = shards, plan, rank, seed
         self.epoch, self.skip, self.base = 0, 0, 0
 
+    def steps(self, base: int) -> int:
+        """Whole global batches left in an epoch split from ``base`` on."""
+        return (len(self.shards) - base) // self.plan.global_batch
+
     @property
     def steps_per_epoch(self) -> int:
         """Whole global batches left in the epoch from ``base``."""
-        return (len(self.shards) - self.base) // self.plan.global_batch
+        return self.steps(self.base)
 
     def start_epoch(self, epoch: int, skip_micro: int = 0, base: int = 0) -> None:
         """Call before each epoch: its order, where this split began, and this rank's micro-batches to skip."""
