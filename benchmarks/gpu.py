@@ -134,7 +134,9 @@ def section(r: dict[str, Any] | None) -> list[str]:
     m = r["machine"]
     out += [f"Measured by `{r['command']}` on {r['date']}: {', '.join(m['gpus']) or 'no GPU'}, {m['cpu']}, "
             f"{m['cores']} cores; Python {m['python']}, torch {m['torch']}. Figures from this GPU machine compare only "
-            "with each other, not with the CPU sections.", ""]
+            "with each other, not with the CPU sections." + (f" Note: {r['note']}." if r.get("note") else ""), ""]
+    if r.get("tests"):  # the GPU tests' run on the same machine, kept beside the figures by hand
+        out += [f"GPU tests on that machine: `{r['tests']['command']}`: {r['tests']['result']}.", ""]
     t = r.get("trainer_vs_bare", {"skipped": "not run"})
     if "skipped" in t:
         out += [f"- Trainer vs bare loop on one GPU: skipped ({t['skipped']}).", ""]

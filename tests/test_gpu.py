@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,100 @@ def test_two_processes_on_one_gpu_stop_at_once_with_the_cause(tmp_path: Path) ->
     assert 2 in [p.returncode for p in ranks], outs
     assert "error: dist.backend:" in errors and "NCCL could not start on cuda:0" in errors, errors[-3000:]
     assert "MASTER_PORT" not in errors
+
+
+@needs_gpu
+def test_compute_time_on_a_gpu_comes_from_cuda_events() -> None:
+    """The straggler audit's meter on a GPU: forward and optimizer times read from CUDA events once done. A host clock
+    would see only the kernel launches; the events see the kernels (backward excluded by design)."""
+    import time
+
+    from trainer.runtime.audit import Meter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    meter = Meter(model, [opt], forward=True, device=torch.device("cuda"), stretch=lambda s: None)
+    x = torch.randn(4096, 4096, device="cuda")
+    assert meter.take(0) == 0.0  # the first call opens the window
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(10):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - began) / 10
+    per_step = meter.take(10)
+    # The forward is about a third of forward + backward; the optimizer step is small beside both.
+    assert 0.15 * wall < per_step < 0.8 * wall, (per_step, wall)
+    meter.close()
+
+
+REPLAY_ON_GPU = """
+import sys, torch, torchvision
+from trainer.runtime.replay import digest, recompute
+torch.use_deterministic_algorithms(True)
+torch.backends.cudnn.benchmark = False
+device = torch.device("cuda")
+torch.manual_seed(0)
+name = sys.argv[1]
+if name == "resnet18":
+    model = torchvision.models.resnet18(num_classes=10).to(device)
+    x = torch.randn(16, 3, 64, 64, device=device)
+else:  # dropout: the replay must restore the CUDA generator's state
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Dropout(0.5), torch.nn.Linear(512, 10)).to(device)
+    x = torch.randn(64, 256, device=device)
+model.train()
+rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device)}
+out = model(x)
+grad_out = torch.randn_like(out)
+out.backward(grad_out)
+params = [p for p in model.parameters() if p.requires_grad]
+source = [digest([p.grad]) for p in params]
+capture = {"args": (x.cpu(),), "kwargs": {}, "grad_out": grad_out.cpu(), "rng": rng}
+again = recompute(model, capture, device)
+assert again == source, [i for i, (a, b) in enumerate(zip(again, source)) if a != b]
+assert [digest([p.grad]) for p in params] == source  # this rank's own gradients put back
+print("replayed", len(params), "gradients bit for bit")
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["resnet18", "dropout"])
+def test_a_replayed_step_on_a_gpu_gives_its_gradients_bit_for_bit(tmp_path: Path, model: str) -> None:
+    """The replay audit's premise on a GPU: with deterministic algorithms (train.deterministic, which the audit
+    requires there) a step recomputed from its captured inputs, output gradient and random state has the same
+    gradients, bit for bit: no false alarm from cuDNN's or cuBLAS's choice of kernels."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", REPLAY_ON_GPU, model], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0 and "bit for bit" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@needs_gpu
+def test_a_killed_gpu_run_resumes_from_node_memory_bit_identically(tmp_path: Path) -> None:
+    """Memory snapshots of a state on the GPU (pinned host staging into /dev/shm-like memory): a run killed between
+    durable saves restarts from the snapshot and ends with the uninterrupted run's weights."""
+    from trainer.export import consolidated
+
+    from .conftest import spawn_ranks, wait_ranks
+
+    args = [*SMALL, "train.device=cuda", "train.deterministic=true", "checkpoint.every_steps=10",
+            "checkpoint.memory=on", "checkpoint.memory_every_steps=3", "checkpoint.poll_steps=1"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    env = {"TRAINER_MEMORY_DIR": str(tmp_path / "shm")}
+
+    def launch(a: list[str], extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return wait_ranks(spawn_ranks(a, tmp_path, 1, {**env, **extra}, split=True, nodes=["n1"]), a, 240)
+
+    ok(launch([*args, f"run.dir={ref}"], {"TRAINER_MEMORY_DIR": str(tmp_path / "shm-ref")}))
+    assert launch([*args, f"run.dir={run}"], faults(kill_at_step=15, kill_rank=0)).returncode != 0
+    second = ok(launch([*args, f"run.dir={run}"], {}))
+    assert "(a snapshot in node memory) at step 15" in second.stdout, second.stdout[-3000:]
+    a, b = consolidated(ref)[1], consolidated(run)[1]
+    assert all(torch.equal(a[k], b[k]) for k in a)
