@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -232,4 +233,6 @@ def test_dev_cluster_two_nodes_and_an_unwritable_folder(slurm_env: dict[str, str
     blocker = tmp_path / "file"
     blocker.write_text("")
     bad = sh([*srun, f"run.dir={blocker}/runs"], slurm_env, timeout=180)
-    assert bad.returncode != 0 and "rank 0 (n1)" in row(bad.stdout, "run folder") and "(n2)" in row(bad.stdout, "run folder")
+    # Each rank named with its node: whichever two nodes Slurm gave (another test's job may hold n1).
+    named = re.findall(r"rank (\d) \((n\d)\)", row(bad.stdout, "run folder"))
+    assert bad.returncode != 0 and [r for r, _ in named] == ["0", "1"] and len({n for _, n in named}) == 2, bad.stdout
