@@ -55,8 +55,8 @@ def _submit(sub: Any) -> None:
 
 
 def submit_cmd(ns: argparse.Namespace) -> int:
+    from cluster.launch.submit import submit
     from cluster.profile import load_profile, node_range
-    from cluster.submit import submit
 
     overrides = _profile_sets(ns.set)
     if ns.nodes is not None:
@@ -74,9 +74,9 @@ def _render(sub: Any) -> None:
 
 
 def render_cmd(ns: argparse.Namespace) -> int:
-    from cluster.command import Command
+    from cluster.launch.command import Command
+    from cluster.launch.render import render_sbatch
     from cluster.profile import load_profile
-    from cluster.render import render_sbatch
 
     p = load_profile(ns.cluster, _profile_sets(ns.set))
     sets = "".join(f" --set {kv}" for kv in ns.set) + (" --command" if ns.command_template else "")
@@ -99,7 +99,7 @@ def _sweep(sub: Any) -> None:
 
 
 def sweep_cmd(ns: argparse.Namespace) -> int:
-    from cluster.sweep import run
+    from cluster.sweeps.submit import run
 
     return run(ns.spec, _profile_sets(ns.set), ns.dry_run, ns.wait, ns.resume)
 
@@ -114,13 +114,13 @@ def _sweep_views(sub: Any) -> None:
 
 
 def _show_sweep(sweep_dir: str | None) -> int:
-    from cluster.sweep_status import show_status
+    from cluster.sweeps.status import show_status
 
     return show_status(sweep_dir)
 
 
 def _dashboard(sweep_dir: str | None, port: int) -> int:
-    from cluster.dashboard import serve
+    from cluster.sweeps.dashboard import serve
 
     return serve(sweep_dir, port)
 
@@ -136,7 +136,7 @@ def _nodes_and_runs(sub: Any) -> None:
 
 
 def suspects_cmd(ns: argparse.Namespace) -> int:
-    from cluster import suspects
+    from cluster.job import suspects
     from cluster.profile import load_profile
 
     return suspects.show(Path(suspects.default_path()), ns.clear, load_profile(ns.cluster).suspect_after)
@@ -176,22 +176,22 @@ def _run_tools(sub: Any) -> None:
 
 
 def runs_cmd(ns: argparse.Namespace) -> int:
-    from cluster.runs import show
+    from cluster.runs.table import show
 
     width = ns.width or shutil.get_terminal_size((120, 24)).columns
     return show(ns.state, ns.since, ns.pattern, ns.json, ns.trials, width)
 
 
 def status_cmd(ns: argparse.Namespace) -> int:
-    from cluster.run_status import show
+    from cluster.runs.status import show
 
     return show(ns.run)
 
 
 def logs_cmd(ns: argparse.Namespace) -> int:
-    from cluster.run_logs import show
-    from cluster.run_status import resolve
-    from cluster.runs import LIVE, job_state_now
+    from cluster.runs.logs import show
+    from cluster.runs.status import resolve
+    from cluster.runs.table import LIVE, job_state_now
 
     record = resolve(ns.run)
 
@@ -203,13 +203,13 @@ def logs_cmd(ns: argparse.Namespace) -> int:
 
 
 def cancel_cmd(ns: argparse.Namespace) -> int:
-    from cluster.run_actions import cancel
+    from cluster.runs.actions import cancel
 
     return cancel(ns.run)
 
 
 def resubmit_cmd(ns: argparse.Namespace) -> int:
-    from cluster.run_actions import resubmit
+    from cluster.runs.actions import resubmit
 
     return resubmit(ns.run, ns.overrides, ns.set)
 

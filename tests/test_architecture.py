@@ -39,9 +39,14 @@ PLANTED = [  # (file, line added, what the report must say)
     ("trainer/core/env.py", "import cluster.profile", "trainer is not allowed to import cluster"),
     ("trainer/checkpoint/layout.py", "def f():\n    import trainer.checkpoint.file",
      "No cycles are allowed in trainer.checkpoint"),
-    ("cluster/trials.py", "def f():\n    import cluster.sweep_status", "No cycles are allowed in cluster"),
+    ("cluster/sweeps/trials.py", "def f():\n    import cluster.sweeps.status", "No cycles are allowed in cluster"),
     ("trainer/data/shards.py", "import trainer.runtime.loader", "trainer.data is not allowed to import trainer.runtime"),
-    ("cluster/sweep_folder.py", "import cluster.render", "cluster.worker is not allowed to import cluster.render"),
+    ("cluster/sweeps/folder.py", "import cluster.launch.render", "cluster.sweeps.worker is not allowed to import cluster.launch"),
+    ("cluster/job/ledger.py", "import cluster.launch.submit", "cluster.job is not allowed to import cluster.launch"),
+    ("cluster/runs/logs.py", "import cluster.sweeps.study", "cluster.runs is not allowed to import cluster.sweeps"),
+    ("cluster/sweeps/spec.py", "import cluster.runs.table", "cluster.sweeps is not allowed to import cluster.runs"),
+    ("cluster/job/nodes.py", "def f():\n    import omegaconf", "cluster.job is not allowed to import omegaconf"),
+    ("trainer/core/exits.py", "def f():\n    import torch", "cluster.job is not allowed to import torch"),
 ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
+from cluster.job.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
 from trainer.runtime.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
 from . import warm

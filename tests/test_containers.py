@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.launch.submit import sbatch_script, submitit_script
 from cluster.profile import load_profile
-from cluster.submit import sbatch_script, submitit_script
 from trainer.core.env import TRAINER_VARIABLES
 from trainer.core.exits import EXIT_VARIABLES
 
@@ -45,8 +45,8 @@ def test_requeue_stays_outside_the_container(runtime: str) -> None:
     for launcher in ("sbatch", "submitit"):
         p = profile(runtime)
         text = sbatch_script(p, []) if launcher == "sbatch" else submitit_script(p, [])  # type: ignore[arg-type]
-        verdict = [line for line in text.splitlines() if "-m cluster.verdict" in line]  # it requeues (cluster/nodes.py)
-        assert verdict and all("srun" not in line and "python3 -m cluster.verdict" in line for line in verdict)
+        verdict = [line for line in text.splitlines() if "-m cluster.job.verdict" in line]  # it requeues (cluster/job/nodes.py)
+        assert verdict and all("srun" not in line and "python3 -m cluster.job.verdict" in line for line in verdict)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -62,7 +62,7 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
         which = env.get("SLURM_PROCID") == str(rank) if rank is not None else (
             "SLURM_PROCID" in env and env.get("SLURMD_NODENAME") != not_on)
         trainer = "python" in Path(argv[0]).name and (
-            argv[1:2] == [script] if script else "-m" in argv and "cluster.verdict" not in argv)
+            argv[1:2] == [script] if script else "-m" in argv and "cluster.job.verdict" not in argv)
         if ours and which and trainer:
             os.kill(int(proc.name), sig)
             return env["SLURMD_NODENAME"]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from cluster.__main__ import main as cluster_main
-from cluster.command import Command, parse
+from cluster.launch.command import Command, parse
+from cluster.launch.render import render_sbatch
+from cluster.launch.submit import sbatch_script, submit, submitit_script
 from cluster.profile import load_profile
-from cluster.render import render_sbatch
-from cluster.submit import sbatch_script, submit, submitit_script
 from trainer.core.errors import UserError
 
 from .conftest import ROOT

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ledger, run_logs, runs
 from cluster.__main__ import main as cluster_main
-from cluster.run_status import resolve
+from cluster.job import ledger
+from cluster.runs import logs as run_logs
+from cluster.runs import table as runs
+from cluster.runs.status import resolve
 from trainer.core.errors import UserError
 
 GOLDEN = Path(__file__).parent / "golden"

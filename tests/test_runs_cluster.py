@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster import ledger
+from cluster.job import ledger
 
 from .conftest import ROOT
 from .test_slurm import sh, slurm_env, wait_for

@@ -1,4 +1,4 @@
-"""What cluster/submitit_adapter.py uses of submitit's internals, pinned: a submitit release that changes any of it
+"""What cluster/launch/submitit_adapter.py uses of submitit's internals, pinned: a submitit release that changes any of it
 fails here first (and pyproject.toml's upper bound keeps users on releases this has passed on)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 from importlib.metadata import version
 from pathlib import Path
 
-from cluster.submitit_adapter import renderable, submission_text
+from cluster.launch.submitit_adapter import renderable, submission_text
 
 from .conftest import ROOT
 

@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster import lost, sweep, sweep_spec, sweep_status, worker
-from cluster import study as studies
 from cluster.__main__ import main as cluster_main
-from cluster.sweep_spec import SweepSpec, trial_args
+from cluster.sweeps import lost, worker
+from cluster.sweeps import spec as sweep_spec
+from cluster.sweeps import status as sweep_status
+from cluster.sweeps import study as studies
+from cluster.sweeps import submit as sweep
+from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.config import load as load_train_config
 from trainer.core.files import write_json
 
@@ -626,7 +629,7 @@ def test_the_tpe_sampler_of_a_spec_concentrates_near_the_optimum(tmp_path: Path)
 
 def test_a_database_password_is_never_shown_nor_recorded_in_the_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from cluster import storage_url
+    from cluster.sweeps import storage_url
 
     monkeypatch.chdir(tmp_path)
     url = "mysql+pymysql://alice:S3CRETPW@db.example:3306/sweeps"
@@ -664,11 +667,11 @@ def test_a_command_sweep_takes_any_metric_its_script_writes_and_prunes_on_it(
 
 
 def test_trials_by_number_go_through_the_storages_public_methods(tmp_path: Path) -> None:
-    """cluster.study.Trials: what a worker does to a trial it did not ask for in this process (re-attach, report,
+    """cluster.sweeps.study.Trials: what a worker does to a trial it did not ask for in this process (re-attach, report,
     fail as lost), by trial number, in a journal study."""
     import optuna
 
-    from cluster.study import Trials, storage
+    from cluster.sweeps.study import Trials, storage
 
     store = storage("journal", tmp_path)
     study = optuna.create_study(storage=store, study_name="s")

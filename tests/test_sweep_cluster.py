@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import study as studies
-from cluster.worker import record_of
+from cluster.sweeps import study as studies
+from cluster.sweeps.worker import record_of
 
 from .conftest import SMALL, faults
 from .test_slurm import sh, slurm_env, wait_for

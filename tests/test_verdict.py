@@ -1,4 +1,4 @@
-"""The verdict on an attempt (cluster/verdict.py), its inputs (trainer/core/exits.py) and the suspects list, as
+"""The verdict on an attempt (cluster/job/verdict.py), its inputs (trainer/core/exits.py) and the suspects list, as
 tables. The same rules run for real on the dev cluster in test_healing.py."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from cluster import placement, suspects
-from cluster.nodes import excluded, job_log, parse_fields
-from cluster.placement import Next, Shape
-from cluster.verdict import Limits, Verdict, decide, judge, repeated, srun_failures, storm
+from cluster.job import placement, suspects
+from cluster.job.nodes import excluded, job_log, parse_fields
+from cluster.job.placement import Next, Shape
+from cluster.job.verdict import Limits, Verdict, decide, judge, repeated, srun_failures, storm
 from trainer.core import exits
 
 from .conftest import clean_env

@@ -11,7 +11,7 @@ What `make submit CMD=…` runs in every task (and submitit's command task calls
 - ``--requeue-after S``: once warned, a command still running S seconds later is stopped and 75 returned, so the
   batch script requeues it (the profile's ``requeue_on_signal``);
 - exit 75 on rank 0 also leaves ``$RUN_DIR/requeue.json``, which the batch script reads when srun or torchrun's
-  agent reports another code. The requeue rule itself lives in the batch script (cluster/render.py).
+  agent reports another code. The requeue rule itself lives in the batch script (cluster/launch/render.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ job_event() {
 job_event job_start
 echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2
 # The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
-if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.job.ledger register "$RUN_DIR" "$@" || true; fi
 
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
@@ -42,7 +42,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
-    verdict=0; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+    verdict=0; <python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     exit "$verdict"
   fi
 fi
@@ -53,5 +53,5 @@ job_event job_end ", \"code\": $rc"
 <python> -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
 trap '' TERM
-verdict=0; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+verdict=0; <python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 exit "$verdict"

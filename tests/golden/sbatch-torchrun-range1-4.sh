@@ -26,7 +26,7 @@ job_event() {
     >> "$RUN_DIR/events.jsonl" || true
 }
 # The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.
-if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.ledger register "$RUN_DIR" "$@" || true; fi
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.job.ledger register "$RUN_DIR" "$@" || true; fi
 
 for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
@@ -56,7 +56,7 @@ while :; do
     if (( rc )); then
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
-      verdict=0; next=$(<python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
+      verdict=0; next=$(<python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
       if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
       exit "$verdict"
     fi
@@ -72,7 +72,7 @@ while :; do
   job_event job_end ", \"code\": $rc"
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
-  verdict=0; next=$(<python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
+  verdict=0; next=$(<python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 1 --in-place --least 1 --most 4) || verdict=$?
   if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
   exit "$verdict"
 done

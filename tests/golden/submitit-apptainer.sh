@@ -34,7 +34,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
-    verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+    verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     if (( verdict == 126 || verdict == 127 )); then
       echo "no python3 on this host for the verdict: the plain requeue rule" >&2
       [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
@@ -54,7 +54,7 @@ rc=$?  # the tasks' exit code (srun's, the line above)
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
 trap '' TERM
-verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 if (( verdict == 126 || verdict == 127 )); then
   echo "no python3 on this host for the verdict: the plain requeue rule" >&2
   [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0

@@ -34,7 +34,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
-    verdict=0; <python> -m cluster.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+    verdict=0; <python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     exit "$verdict"
   fi
 fi
@@ -49,5 +49,5 @@ rc=$?  # the tasks' exit code (srun's, the line above)
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
 trap '' TERM
-verdict=0; <python> -m cluster.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
+verdict=0; <python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 exit "$verdict"

@@ -5,14 +5,13 @@ whole lines only (a torn last line, possible on power loss, is skipped by reader
 restart count, nodes, processes, versions, git commit), ``first_step``, ``progress`` (the step reached, at every
 signal poll), ``metrics``, ``checkpoint`` (step, seconds training waited, bytes), ``signal``, ``exit`` (code); the batch
 shell adds ``job_start``/``job_end`` and the verdict on each attempt, ``attempt_end`` (class, cause, blamed nodes,
-decision: cluster/verdict.py).
+decision: cluster/job/verdict.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Iterator
@@ -40,18 +39,6 @@ def git_commit(folder: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def versions() -> dict[str, Any]:
-    import torch
-
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except (AttributeError, RuntimeError):
-            nccl = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
 
 
 class EventLog:

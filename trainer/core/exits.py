@@ -1,4 +1,4 @@
-"""Each rank's exit record: how this process ended, for the batch shell's verdict on the attempt (cluster/verdict.py).
+"""Each rank's exit record: how this process ended, for the batch shell's verdict on the attempt (cluster/job/verdict.py).
 
 ``$RUN_DIR/exits/<job>.<attempt>/<phase>-<rank>.json``, written when the process starts (no ``code`` yet) and again as it
 ends: Slurm's node name, rank, exit code, class, one-line cause, where (file:line of a user error), step, and the

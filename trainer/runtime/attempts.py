@@ -8,14 +8,28 @@ less the steps the next attempt had to compute again (those after the last check
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from trainer.core.env import DistEnv, JobInfo
-from trainer.core.events import git_commit, read, versions
+from trainer.core.events import git_commit, read
 from trainer.core.exits import attempt_id
+
+
+def versions() -> dict[str, Any]:
+    """What an attempt records of its software: Python, torch, CUDA, NCCL."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            nccl = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl}
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Where a job's next attempt runs after a failure: inside its own allocation (a spare node takes over, or a node range
 goes on with fewer nodes), or back in the queue without the nodes it blames.
 
-Blame is weighed and fails open (cluster/suspects.py): the newest blame is avoided first, older ones are forgotten
+Blame is weighed and fails open (cluster/job/suspects.py): the newest blame is avoided first, older ones are forgotten
 first when avoiding them all would leave too few nodes, and a node is used again rather than refusing or failing
 the job. Stdlib only (the verdict runs with the host's python3).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.suspects import fail_open
+from cluster.job.suspects import fail_open
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster import ledger, run_logs
-from cluster.runs import (
+from cluster.job import ledger
+
+from cluster.runs import logs as run_logs
+from cluster.runs.table import (
     age,
     ask_slurm,
     job_state,

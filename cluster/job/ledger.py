@@ -3,7 +3,7 @@
 One file per submission, replaced atomically, because a shared file system makes one appended file or a local
 SQLite unsafe (or split across login nodes). ``python -m cluster submit`` and ``sweep`` write a record when they
 submit; a hand-run ``sbatch slurm/train.sbatch`` registers itself from its batch script
-(``python -m cluster.ledger register``), which never replaces a record already there. Stdlib and torch-free
+(``python -m cluster.job.ledger register``), which never replaces a record already there. Stdlib and torch-free
 modules only, as the verdict: the batch shell may run it with the host's python3 beside a container.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import nodes
+from cluster.job import nodes
 from trainer.core.events import git_commit
 
 LEDGER_ENV = "TRAINER_LEDGER"
@@ -122,8 +122,8 @@ def register(run_dir: str, args: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m cluster.ledger register RUN_DIR [ARGS…]
+if __name__ == "__main__":  # python -m cluster.job.ledger register RUN_DIR [ARGS…]
     if len(sys.argv) < 3 or sys.argv[1] != "register":
-        print("usage: python -m cluster.ledger register RUN_DIR [ARGS...]", file=sys.stderr)
+        print("usage: python -m cluster.job.ledger register RUN_DIR [ARGS...]", file=sys.stderr)
         sys.exit(2)
     sys.exit(register(sys.argv[2], sys.argv[3:]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from cluster.command import Command
+from cluster.launch.command import Command
 from cluster.profile import Profile
 from trainer.core.env import PORT_BASE, PORT_SPAN
 from trainer.core.errors import UserError
@@ -53,7 +53,7 @@ def _sbatch_path(path: str) -> str:
     return f'"{path}"' if any(c in path for c in " \t'$;&|<>()`\\") else path
 
 
-DOCKER_TASK = Path(__file__).resolve().parent.parent / "containers" / "docker-task.sh"
+DOCKER_TASK = Path(__file__).resolve().parents[2] / "containers" / "docker-task.sh"
 
 
 def container_prefix(p: Profile) -> str:
@@ -142,9 +142,9 @@ def command_line(p: Profile, python: str, command: Command) -> list[str]:
 
 
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
-    """The verdict on the attempt (cluster/verdict.py), run in the batch shell with the host's python: it requeues or
+    """The verdict on the attempt (cluster/job/verdict.py), run in the batch shell with the host's python: it requeues or
     ends the job, and its exit code is the job's; restarting in place it may instead start the next attempt here."""
-    verdict = (f"{python} -m cluster.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
+    verdict = (f"{python} -m cluster.job.verdict --phase {phase} --rc \"$rc\" --max-requeues {p.max_requeues} "
                f"--max-failures {p.max_failures} --suspect-hours {p.suspect_hours:g}"
                + (f" --suspect-after {p.suspect_after}" if p.suspect_after != 2 else "")
                + (f" --storm-after {p.storm_after}" if p.storm_after != 3 else "")
@@ -273,7 +273,7 @@ def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir
         *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
                        start=not p.in_place),
         "# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.",
-        f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then {host_python(p, python)} -m cluster.ledger register '
+        f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then {host_python(p, python)} -m cluster.job.ledger register '
         '"$RUN_DIR" "$@" || true; fi',
         "",
         *flight_recorder(p, "$RUN_DIR"),

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster import ledger, nodes, suspects
-from cluster.command import Command, parse, requeue_after
-from cluster.profile import Profile
-from cluster.render import (
+from cluster.job import ledger, nodes, suspects
+from cluster.launch.command import Command, parse, requeue_after
+from cluster.launch.render import (
     container_prefix,
     doctor_step,
     dq,
@@ -23,8 +22,9 @@ from cluster.render import (
     requeue_rule,
     run_dir_lines,
 )
-from cluster.submitit_adapter import renderable, submission_text
-from cluster.task import CommandTask, TrainTask
+from cluster.launch.submitit_adapter import renderable, submission_text
+from cluster.launch.task import CommandTask, TrainTask
+from cluster.profile import Profile
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
 from trainer.runtime.batches import check_worlds
@@ -113,7 +113,7 @@ def submitit_script(p: Profile, args: list[str], command: Command | None = None)
 
 
 def suspect_nodes(p: Profile) -> list[str]:
-    """The nodes other jobs' evidence avoids (cluster/suspects.py), which a new job excludes, as long as the
+    """The nodes other jobs' evidence avoids (cluster/job/suspects.py), which a new job excludes, as long as the
     partition keeps enough nodes for it; the least suspect are used again otherwise (fail open), said in one line."""
     ordered = suspects.active(Path(suspects.default_path()), p.suspect_after)
     if not ordered:

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster import ledger
-from cluster.nodes import ask
+from cluster.job import ledger
+from cluster.job.nodes import ask
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
 

@@ -1,7 +1,7 @@
 """The submitit tasks: the built-in trainer, or a user's command, in each Slurm task.
 
 Neither requeues by itself: a save after a signal ends the task with exit 75 (rank 0 leaves the requeue marker)
-and the batch script's teardown applies the one requeue rule (cluster/render.py ``requeue_rule``). submitit's
+and the batch script's teardown applies the one requeue rule (cluster/launch/render.py ``requeue_rule``). submitit's
 own USR2 handler, which would requeue on its own terms, is replaced before anything runs.
 """
 

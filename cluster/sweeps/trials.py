@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.sweep_spec import fmt
+from cluster.sweeps.spec import fmt
 
 
 @dataclass
 class Row:
-    """One trial of the study as :func:`cluster.sweep_status.status` sees it."""
+    """One trial of the study as :func:`cluster.sweeps.status.status` sees it."""
 
     index: int
     """The trial's number in the study."""

@@ -7,9 +7,9 @@ import subprocess
 import time
 from typing import Any
 
-from cluster import ledger
-from cluster.run_status import resolve
-from cluster.runs import ask_slurm
+from cluster.job import ledger
+from cluster.runs.status import resolve
+from cluster.runs.table import ask_slurm
 from trainer.core.errors import UserError
 
 
@@ -51,7 +51,7 @@ def resubmit(ref: str, overrides: list[str], sets: list[str]) -> int:
     """Submit a run again with its command, profile and run folder: it resumes from its last checkpoint and
     continues its W&B run; ``overrides`` (the built-in trainer's key=value) and ``sets`` (profile keys) where safe."""
     from cluster.profile import load_profile, node_range
-    from cluster.submit import submit
+    from cluster.launch.submit import submit
 
     record = resolve(ref)
     if record.get("by_hand"):

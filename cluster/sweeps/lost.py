@@ -7,10 +7,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from cluster.nodes import ask
+from cluster.job.nodes import ask
 
 if TYPE_CHECKING:
-    from cluster.study import Trials
+    from cluster.sweeps.study import Trials
 
 
 def job_indexes(job: str, array_id: str) -> list[int]:

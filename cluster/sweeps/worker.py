@@ -1,6 +1,6 @@
 """A sweep's worker: one array task running trials one after another until the study has its ``trials``.
 
-The worker's batch script (cluster/sweep_script.py) calls, in the batch shell:
+The worker's batch script (cluster/sweeps/script.py) calls, in the batch shell:
 ``next``  re-attach to this worker's RUNNING trial (after a requeue), or ask the study for one; write
           ``workers/<w>.sh`` (the trial's RUN_DIR and arguments) and ``workers/<w>.json`` (which trial it runs);
 ``relay`` while the trial trains: its intermediate values (``reports.jsonl``, written by ``Session.report``) into the
@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import ledger
-from cluster import study as studies
-from cluster.lost import fail_lost
-from cluster.sweep_folder import log_path
-from cluster.sweep_spec import SweepSpec, trial_args
+from cluster.job import ledger
+from cluster.sweeps import study as studies
+from cluster.sweeps.folder import log_path
+from cluster.sweeps.lost import fail_lost
+from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.events import read as read_events
 from trainer.core.exits import attempt_id
 from trainer.core.files import write_json
@@ -248,7 +248,7 @@ def _outcome(run_dir: Path, rc: int, metric: str) -> tuple[str, float | None, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m cluster.sweeps.worker", description=__doc__)
     p.add_argument("action", choices=("next", "relay", "end"))
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--worker", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", "0")))

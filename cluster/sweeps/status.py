@@ -1,6 +1,6 @@
 """A sweep's progress: the study's trials (state, metric, steps reported) and Slurm's view of its workers, as a table.
 
-What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweep` submits, :mod:`cluster.worker` runs.
+What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweeps.submit` submits, :mod:`cluster.sweeps.worker` runs.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import sweep_report
-from cluster.lost import fail_lost, job_indexes
-from cluster.nodes import ask
-from cluster.sweep_folder import log_path
-from cluster.trials import Row, columns, show
+from cluster.job.nodes import ask
+from cluster.sweeps import report as sweep_report
+from cluster.sweeps.folder import log_path
+from cluster.sweeps.lost import fail_lost, job_indexes
+from cluster.sweeps.trials import Row, columns, show
 from trainer.core.errors import UserError
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
@@ -69,7 +69,7 @@ def _sort_key(mode: str) -> Any:
 
 def status(sweep_dir: Path) -> tuple[list[Row], Any]:
     """Every trial with its state and metric, best first (per the spec's mode), and the study."""
-    from cluster.study import open_trials
+    from cluster.sweeps.study import open_trials
 
     data = read_sweep(sweep_dir)
     trials = open_trials(data, sweep_dir)
@@ -178,7 +178,7 @@ def show_status(sweep_dir: str | None) -> int:
 
 
 def page(sweep_dir: Path, rows: list[Row], study: Any) -> None:
-    """sweep.html (cluster/sweep_report.py); a plotting problem costs a note, not the status."""
+    """sweep.html (cluster/sweeps/report.py); a plotting problem costs a note, not the status."""
     try:
         print(f"report: {sweep_report.write(sweep_dir, read_sweep(sweep_dir), rows, study)}")
     except Exception as exc:

@@ -1,5 +1,5 @@
 """The sweep spec: loading and validation, before anything is submitted. The search space, samplers, pruners and the
-study itself are Optuna's (:mod:`cluster.study`)."""
+study itself are Optuna's (:mod:`cluster.sweeps.study`)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from cluster.trials import Row, show
+from cluster.sweeps.trials import Row, show
 
 
 def _png(ax: Any) -> str:

@@ -1,15 +1,14 @@
 """The batch script of a sweep's workers: one Slurm array of ``max_parallel`` tasks, each running trials one after
-another (cluster/worker.py asks the study), each trial launched and judged exactly as `make submit LAUNCHER=sbatch`
-launches and judges a job (cluster/render.py: the launch line, the verdict, the requeue rule)."""
+another (cluster/sweeps/worker.py asks the study), each trial launched and judged exactly as `make submit LAUNCHER=sbatch`
+launches and judges a job (cluster/launch/render.py: the launch line, the verdict, the requeue rule)."""
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
 
-from cluster.command import Command
-from cluster.profile import Profile
-from cluster.render import (
+from cluster.launch.command import Command
+from cluster.launch.render import (
     _sbatch_path,
     command_line,
     doctor_step,
@@ -21,7 +20,8 @@ from cluster.render import (
     run_dir_lines,
     sbatch_directives,
 )
-from cluster.sweep_folder import log_path
+from cluster.profile import Profile
+from cluster.sweeps.folder import log_path
 
 
 def directives(p: Profile, sweep_dir: Path, workers: int) -> list[str]:
@@ -62,7 +62,7 @@ def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, comman
     lines = [
         "#!/bin/bash", f"# {origin}", *directives(p, sweep_dir, workers), "set -euo pipefail", "", *environment(p),
         f"sweep={shlex.quote(str(sweep_dir))} worker=${{SLURM_ARRAY_TASK_ID:-0}}",
-        f'worker_py() {{ {shlex.quote(python)} -m cluster.worker "$@"; }}  # asks and tells the study (cluster/worker.py)',
+        f'worker_py() {{ {shlex.quote(python)} -m cluster.sweeps.worker "$@"; }}  # asks and tells the study',
         # The worker's own folder holds the doctor's records; each trial's RUN_DIR is its own (workers/<w>.sh).
         "unset RUN_DIR  # never the submitting shell's: each trial's comes from the study",
         *run_dir_lines('"$sweep/workers/$worker"', p.signal, p.signal_grace_s, start=False),

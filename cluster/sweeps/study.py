@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from cluster.storage_url import connect_url, with_env_password
-from cluster.sweep_spec import SweepSpec, _err, grid, parameter
+from cluster.sweeps.spec import SweepSpec, _err, grid, parameter
+from cluster.sweeps.storage_url import connect_url, with_env_password
 from trainer.core.errors import UserError
 
 JOURNAL = "study.journal"

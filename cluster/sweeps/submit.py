@@ -1,6 +1,6 @@
 """Hyper-parameter sweeps: one YAML spec → an Optuna study → ``max_parallel`` workers as one Slurm job array.
 
-Each worker (cluster/worker.py, in the script of cluster/sweep_script.py) asks the study for a trial, runs it as
+Each worker (cluster/sweeps/worker.py, in the script of cluster/sweeps/script.py) asks the study for a trial, runs it as
 an ordinary run of the built-in trainer or of the spec's ``command``, in its own run folder ``<sweep>/trials/<n>``
 (so it checkpoints, requeues and resumes on its own), tells the study how it ended, and asks again until the study
 has ``trials``. Random and grid trials are planned here, once, and enqueued. ``<sweep>/sweep.json`` records what was
@@ -20,14 +20,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cluster import ledger, storage_url
-from cluster import study as studies
+from cluster.job import ledger
+from cluster.launch.submit import check_slurm, load_train_config, python_for, suspect_nodes
 from cluster.profile import Profile, load_profile
-from cluster.submit import check_slurm, load_train_config, python_for, suspect_nodes
-from cluster.sweep_script import worker_script
-from cluster.sweep_spec import SweepSpec, _err, _kv, load_spec, parameter, trial_args
-from cluster.sweep_status import finish, read_sweep
-from cluster.trials import columns, show
+from cluster.sweeps import storage_url
+from cluster.sweeps import study as studies
+from cluster.sweeps.script import worker_script
+from cluster.sweeps.spec import SweepSpec, _err, _kv, load_spec, parameter, trial_args
+from cluster.sweeps.status import finish, read_sweep
+from cluster.sweeps.trials import columns, show
 from trainer.core.errors import UserError
 from trainer.core.files import write_json
 from trainer.runtime.batches import check_worlds

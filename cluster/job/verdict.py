@@ -1,6 +1,6 @@
 """The verdict on one attempt of a job, in the batch shell after srun returns: how it ended, and what happens next.
 
-``python -m cluster.verdict --phase train --rc $rc …`` reads the ranks' exit records (trainer/core/exits.py), srun's
+``python -m cluster.job.verdict --phase train --rc $rc …`` reads the ranks' exit records (trainer/core/exits.py), srun's
 own ``srun: error: n2: task 1: Killed`` lines in the job's log, and the requeue marker; it classifies the attempt
 (finished, preempted, user_error, resource, infrastructure) by its first cause, not its echoes; appends one
 ``attempt_end`` line to events.jsonl; and then requeues (a preemption save, or an infrastructure failure within
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster import nodes, placement, suspects
+from cluster.job import nodes, placement, suspects
 from trainer.core import exits
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EVENTS, read
@@ -61,7 +61,7 @@ class Verdict:
     """When the first rank recorded its end (the failure noticed), if one did."""
     hard: bool = False
     """The blame is hard evidence (a device error, a failed launch, the doctor, Slurm's own node state): other jobs
-    avoid the node at once, not after blames from several jobs (cluster/suspects.py)."""
+    avoid the node at once, not after blames from several jobs (cluster/job/suspects.py)."""
 
 
 def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, str, str]]:
@@ -363,7 +363,7 @@ def _finish(run_dir: Path, v: Verdict, action: str, why: str, rc: int) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cluster.verdict", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m cluster.job.verdict", description=__doc__)
     p.add_argument("--run-dir", default=os.environ.get("RUN_DIR", "."), help="the run folder (default: $RUN_DIR)")
     p.add_argument("--phase", default="train", choices=("train", "doctor"), help="which step of the attempt ended")
     p.add_argument("--rc", type=int, required=True, help="srun's exit code")

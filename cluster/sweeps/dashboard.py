@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from cluster.storage_url import connect_url
-from cluster.study import storage
-from cluster.sweep_status import newest_sweep, read_sweep
+from cluster.sweeps.status import newest_sweep, read_sweep
+from cluster.sweeps.storage_url import connect_url
+from cluster.sweeps.study import storage
 
 
 def serve(sweep_dir: str | None, port: int, host: str = "127.0.0.1") -> int:

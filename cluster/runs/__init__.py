@@ -1,0 +1,1 @@
+"""The run tools over the ledger: ``runs``, ``status``, ``logs``, ``cancel``, ``resubmit``."""
