@@ -55,14 +55,18 @@ def _submit(sub: Any) -> None:
 
 
 def submit_cmd(ns: argparse.Namespace) -> int:
+    from cluster.launch.launchers import pick
+    from cluster.launch.submission import Origin, Submission
     from cluster.launch.submit import submit
     from cluster.profile import load_profile, node_range
 
+    launcher = pick(ns.launcher)
     overrides = _profile_sets(ns.set)
     if ns.nodes is not None:
         overrides.update(node_range(ns.nodes))
-    asked = {"cluster": ns.cluster, "set": ns.set, "nodes_arg": ns.nodes}  # for `resubmit`
-    return submit(load_profile(ns.cluster, overrides), ns.args, ns.launcher, ns.dry_run, ns.wait, ns.module, asked)
+    origin = Origin(cluster=ns.cluster, sets=tuple(ns.set), nodes_arg=ns.nodes)  # for `resubmit`
+    s = Submission.parse(load_profile(ns.cluster, overrides), ns.args, ns.module, origin)
+    return submit(s, launcher, ns.dry_run, ns.wait)
 
 
 def _render(sub: Any) -> None:
@@ -196,7 +200,7 @@ def logs_cmd(ns: argparse.Namespace) -> int:
     record = resolve(ns.run)
 
     def alive() -> bool:  # Slurm not answering is no proof of an end: keep following
-        state = job_state_now(str(record["job_id"]))
+        state = job_state_now(record.job_id)
         return state is None or LIVE.get(state) is not None
 
     return show(record, ns.rank, ns.attempt, ns.follow, alive)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.launch.submit import sbatch_script, submitit_script
+from cluster.launch.launchers import sbatch_script, submitit_script
 from cluster.profile import load_profile
 from trainer.core.env import TRAINER_VARIABLES
 from trainer.core.exits import EXIT_VARIABLES

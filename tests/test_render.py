@@ -13,8 +13,10 @@ import pytest
 
 from cluster.__main__ import main as cluster_main
 from cluster.launch.command import Command, parse
+from cluster.launch.launchers import pick, sbatch_script, submitit_script
 from cluster.launch.render import render_sbatch
-from cluster.launch.submit import sbatch_script, submit, submitit_script
+from cluster.launch.submission import Submission
+from cluster.launch.submit import submit
 from cluster.profile import load_profile
 from trainer.core.errors import UserError
 
@@ -212,7 +214,7 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
     assert "#SBATCH --nodes=3" in sbatch_script(p, [])
     with pytest.raises(UserError, match="spare_nodes"):
-        submit(p, [], "submitit", True, False)
+        submit(Submission.parse(p, []), pick("submitit"), True, False)
 
 
 @pytest.mark.parametrize(("nodes", "args", "error"), [

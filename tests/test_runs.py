@@ -38,6 +38,11 @@ def book(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def put(fields: dict[str, object]) -> Path:
+    """Write a record as any version may have: from its JSON form."""
+    return ledger.write(ledger.Record.from_json(fields))
+
+
 def job(book: Path, job_id: str, name: str, age_s: float, events: list[dict[str, object]] | None = None,
         result: dict[str, object] | None = None, **more: object) -> Path:
     run_dir = book / "runs" / job_id
@@ -45,7 +50,7 @@ def job(book: Path, job_id: str, name: str, age_s: float, events: list[dict[str,
     (run_dir / "events.jsonl").write_text("".join(json.dumps({"t": 1.0, **e}) + "\n" for e in events or []))
     if result is not None:
         (run_dir / "result.json").write_text(json.dumps(result))
-    ledger.write({"kind": "job", "name": name, "job_id": job_id, "launcher": "sbatch", "run_dir": str(run_dir),
+    put({"kind": "job", "name": name, "job_id": job_id, "launcher": "sbatch", "run_dir": str(run_dir),
                   "log": str(book / f"{name}-{job_id}.out"), "submitted_at": time.time() - age_s, **more})
     return run_dir
 
@@ -56,7 +61,7 @@ def start(job_id: str, restart: int) -> dict[str, object]:
 
 def test_a_record_is_replaced_whole_and_a_batch_script_never_overwrites_the_submitters(
         book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = ledger.write({"kind": "job", "name": "x", "job_id": "7", "run_dir": HOSTILE, "args": [HOSTILE]})
+    path = put({"kind": "job", "name": "x", "job_id": "7", "run_dir": HOSTILE, "args": [HOSTILE]})
     assert json.loads(path.read_text())["run_dir"] == HOSTILE and path.name == "7.json"
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert ledger.register("/elsewhere", ["k=v"]) == 0
@@ -64,10 +69,10 @@ def test_a_record_is_replaced_whole_and_a_batch_script_never_overwrites_the_subm
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     monkeypatch.setenv("SLURM_JOB_NAME", "by-hand")
     ledger.register("/runs/8", ["optim.lr=0.1"])
-    (rec,) = [r for r in ledger.records() if r["job_id"] == "8"]
-    assert (rec["name"], rec["args"], rec["by_hand"], rec["run_dir"]) == ("by-hand", ["optim.lr=0.1"], True, "/runs/8")
+    (rec,) = [r for r in ledger.records() if r.job_id == "8"]
+    assert (rec.name, rec.args, rec.by_hand, rec.run_dir) == ("by-hand", ("optim.lr=0.1",), True, "/runs/8")
     assert not list((book / "ledger").glob(".*tmp"))  # no temporary file left behind
-    ledger.write({"kind": "job", "name": "x", "job_id": "../../9", "run_dir": "r"})
+    put({"kind": "job", "name": "x", "job_id": "../../9", "run_dir": "r"})
     assert (book / "ledger" / ".._.._9.json").exists()  # a job id never leaves the ledger folder
 
 
@@ -195,8 +200,8 @@ def test_logs_through_the_command_line(book: Path, capsys: pytest.CaptureFixture
 def test_a_run_is_found_by_folder_job_id_or_name_and_the_newest_name_wins(book: Path) -> None:
     old = job(book, "50", "same", 100)
     job(book, "51", "same", 10)
-    assert resolve("same")["job_id"] == "51"
-    assert resolve("50")["job_id"] == "50" and resolve(str(old))["job_id"] == "50"
+    assert resolve("same").job_id == "51"
+    assert resolve("50").job_id == "50" and resolve(str(old)).job_id == "50"
 
 
 @pytest.mark.parametrize(("ref", "squeue", "words"), [
@@ -217,7 +222,7 @@ def test_bad_references_get_a_clear_message(book: Path, capsys: pytest.CaptureFi
 def test_a_resubmitted_jobs_state_is_its_own_not_its_successors(book: Path) -> None:
     run_dir = job(book, "70", "lm", 100, [start("70", 0), {"event": "attempt_end", "job_id": "70", "attempt": "0",
                                                             "class": "infrastructure", "decision": "fail"}])
-    ledger.write({"kind": "job", "name": "lm", "job_id": "71", "run_dir": str(run_dir), "resubmit_of": "70"})
+    put({"kind": "job", "name": "lm", "job_id": "71", "run_dir": str(run_dir), "resubmit_of": "70"})
     (run_dir / "result.json").write_text('{"outcome": "finished"}')  # the resubmitted job's
     (run_dir / "events.jsonl").write_text((run_dir / "events.jsonl").read_text() + json.dumps(
         {"t": 2.0, **start("71", 0)}) + "\n")
@@ -227,7 +232,7 @@ def test_a_resubmitted_jobs_state_is_its_own_not_its_successors(book: Path) -> N
 def test_odd_records_and_files_do_not_break_the_table(book: Path) -> None:
     run_dir = job(book, "80", "odd", 10, result={"outcome": "finished"})
     (run_dir / "events.jsonl").write_text('[1]\n{"t": 1, "event": "metrics", "values": [3]}\n')
-    ledger.write({"kind": "job", "name": "x", "job_id": "81", "run_dir": "/nowhere", "submitted_at": "yesterday"})
+    put({"kind": "job", "name": "x", "job_id": "81", "run_dir": "/nowhere", "submitted_at": "yesterday"})
     (book / "ledger" / "junk.json").write_text("[1, 2]")
     assert sorted((r.job, r.state) for r in runs.rows()) == [("80", "finished"), ("81", "never started")]
 
@@ -282,7 +287,7 @@ def test_a_ledger_error_is_a_message_not_a_traceback(book: Path) -> None:
 def test_follow_prints_new_lines_of_the_rank_until_the_job_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "x-9.out"
     log.write_text("attempt 0 of job 9 starts on n1\n1: old line\n")
-    record = {"kind": "job", "job_id": "9", "launcher": "sbatch", "log": str(log), "name": "x"}
+    record = ledger.Record(kind="job", job_id="9", launcher="sbatch", log=str(log), name="x")
     writes = iter(["0: rank 0 line\n1: new ", "line\nattempt 1 of job 9 starts on n2\n1: after requeue\n", ""])
 
     def alive() -> bool:  # the job writes a little more between polls, then ends

@@ -12,8 +12,8 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
+from cluster.job.ledger import Record
 from trainer.core.errors import UserError
 
 MARK = re.compile(r"(?:^|\s)attempt ([\d.]+) of job (\d+) starts")
@@ -21,14 +21,14 @@ MARK = re.compile(r"(?:^|\s)attempt ([\d.]+) of job (\d+) starts")
 LABEL = re.compile(r"^\s*(\d+): ")
 
 
-def files(record: dict[str, Any], rank: int | None) -> list[Path]:
+def files(record: Record, rank: int | None) -> list[Path]:
     """The job's log files: the batch log (sbatch), or its tasks' files (submitit: ``<job>_<task>_log.out/err``)."""
-    if not record.get("log"):
+    if not record.log:
         return []
-    log = Path(str(record["log"]))
-    if record.get("launcher") != "submitit":
+    log = Path(record.log)
+    if not record.task_logs:
         return [log]
-    job = str(record["job_id"])
+    job = record.job_id
     task = "*" if rank is None else str(rank)
     return sorted(log.glob(f"{job}_{task}_log.out")) + sorted(log.glob(f"{job}_{task}_log.err"))
 
@@ -70,28 +70,28 @@ def read_lines(path: Path) -> list[str]:
         return []
 
 
-def show(record: dict[str, Any], rank: int | None, attempt: str | None, follow: bool,
+def show(record: Record, rank: int | None, attempt: str | None, follow: bool,
          alive: Callable[[], bool], poll_s: float = 2.0) -> int:
     """Print the chosen lines; with ``follow``, go on printing new ones while ``alive()`` says the job may still
     write (pending, running, requeued, suspended, or Slurm did not answer)."""
-    if record.get("kind") == "sweep":
-        raise UserError("RUN", f"{record.get('name')} is a sweep: its workers' logs are in {record.get('log')}",
+    if record.kind == "sweep":
+        raise UserError("RUN", f"{record.name} is a sweep: its workers' logs are in {record.log}",
                         "python -m cluster logs <sweep>-<n> for one trial (its worker's log), or runs --trials")
-    if record.get("kind") == "trial":  # its worker's log, from the trial's start to the next trial's
-        lines = trial_lines(read_lines(Path(str(record.get("log")))), int(record["worker"]), int(record["trial"]))
+    if record.kind == "trial":  # its worker's log, from the trial's start to the next trial's
+        lines = trial_lines(read_lines(Path(record.log)), record.worker or 0, record.trial or 0)
         if rank is not None:
             lines = [line[m.end():] for line in lines if (m := LABEL.match(line)) and int(m.group(1)) == rank]
         print("\n".join(lines))
         return 0
-    job = str(record["job_id"])
+    job = record.job_id
     paths = files(record, rank)
     while follow and not any(p.exists() for p in paths) and alive():  # pending: no log yet
         time.sleep(poll_s)
         paths = files(record, rank)
     if not any(p.exists() for p in paths):
-        raise UserError("RUN", f"no log of job {job} at {record.get('log') or '(not recorded)'}",
+        raise UserError("RUN", f"no log of job {job} at {record.log or '(not recorded)'}",
                         "a pending job has none yet (-f waits for it); a removed log cannot be shown")
-    labelled = record.get("launcher") != "submitit"
+    labelled = not record.task_logs
     for path in paths:
         if len(paths) > 1:
             print(f"==> {path} <==")
@@ -128,12 +128,12 @@ def _follow(path: Path, job: str, rank: int | None, labelled: bool, alive: Calla
         time.sleep(poll_s)
 
 
-def last_lines(record: dict[str, Any], rank: int | None, attempt: str, count: int = 10) -> list[str]:
+def last_lines(record: Record, rank: int | None, attempt: str, count: int = 10) -> list[str]:
     """The last lines of one attempt of one rank (for ``status`` on a failed attempt)."""
-    job = str(record["job_id"])
+    job = record.job_id
     out: list[str] = []
     for path in files(record, rank):
-        out += select(read_lines(path), job, rank, attempt, record.get("launcher") != "submitit")
+        out += select(read_lines(path), job, rank, attempt, not record.task_logs)
     return out[-count:]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import ledger
-
+from cluster.job.ledger import Record
 from cluster.runs import logs as run_logs
 from cluster.runs.table import (
     age,
@@ -31,19 +31,19 @@ from trainer.runtime.attempts import attempts as attempts_of
 from trainer.runtime.attempts import audit_lines, describe_recovery, recoveries
 
 
-def resolve(ref: str) -> dict[str, Any]:
+def resolve(ref: str) -> Record:
     """The ledger's record of ``ref``; a clear error for an unknown run or someone else's job."""
     records = ledger.records()
     path = Path(ref).expanduser()
     if path.exists():
         here = str(path.resolve())
-        found = [r for r in records if r.get("run_dir") == here]
+        found = [r for r in records if r.run_dir == here]
         if found:
             return found[0]
         raise UserError("RUN", f"{ref} is a folder, but no recorded run lives there",
                         "python -m cluster runs lists the recorded runs (jobs submitted before the ledger are not in it)")
-    found = ([r for r in records if str(r["job_id"]) == ref or ref in [str(a) for a in r.get("arrays") or []]]
-             if re.fullmatch(r"\d+(_\d+)?", ref) else [r for r in records if r.get("name") == ref])
+    found = ([r for r in records if r.job_id == ref or ref in [str(a) for a in r.arrays]]
+             if re.fullmatch(r"\d+(_\d+)?", ref) else [r for r in records if r.name == ref])
     if found:
         return found[0]
     if re.fullmatch(r"\d+(_\d+)?", ref):
@@ -62,10 +62,10 @@ def _when(t: Any) -> str:
     return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if isinstance(t, (int, float)) and t else "?"
 
 
-def attempt_lines(record: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+def attempt_lines(record: Record, events: list[dict[str, Any]]) -> list[str]:
     """One line per attempt: when it started, on how many nodes, how it ended (the verdict's class and cause). An
     attempt is a ``job_start`` and the verdict after it (a restart on spare nodes, ``0.1``, starts again in place)."""
-    job = str(record["job_id"])
+    job = record.job_id
     mine = [e for e in events if str(e.get("job_id")) == job and e.get("event") in ("job_start", "attempt_end")]
     out = []
     for i, e in enumerate(mine):
@@ -120,20 +120,20 @@ def show(ref: str) -> int:
     """Print one run's screen: what it runs, its state, attempts, progress, checkpoint, W&B run, logs; for a
     failed attempt, the last lines of the rank that caused it."""
     record = resolve(ref)
-    slurm = ask_slurm([str(a) for a in record.get("arrays") or [record["job_id"]]])
-    run_dir = Path(str(record.get("run_dir")))
+    slurm = ask_slurm(record.ids())
+    run_dir = Path(record.run_dir)
     events = list(read_events(run_dir))
-    kind = record.get("kind", "job")
+    kind = record.kind
     if kind == "sweep":
         state, workers, trials = sweep_row(record, slurm)
-        print(f"sweep {record.get('name')}  arrays {', '.join(map(str, record.get('arrays') or []))}  {state}, {trials}")
-        print(f"folder: {run_dir}\nlogs:   {record.get('log')}\nmore:   make sweep-status SWEEP_DIR={run_dir}")
+        print(f"sweep {record.name}  arrays {', '.join(map(str, record.arrays))}  {state}, {trials}")
+        print(f"folder: {run_dir}\nlogs:   {record.log}\nmore:   make sweep-status SWEEP_DIR={run_dir}")
         return 0
     state, attempts, nodes = (trial_state if kind == "trial" else job_state)(record, slurm, events)
-    what = record.get("command") or record.get("args") or []
-    print(f"{kind} {record.get('name')}  job {record['job_id']}  {state}" + (f"  on {nodes}" if nodes else ""))
-    print(f"submitted {_when(record.get('submitted_at'))} ({record.get('launcher')}, profile {record.get('profile', '?')}"
-          f", git {str(record.get('git') or '?')[:10]}){' by hand' if record.get('by_hand') else ''}")
+    what = record.command or record.args
+    print(f"{kind} {record.name}  job {record.job_id}  {state}" + (f"  on {nodes}" if nodes else ""))
+    print(f"submitted {_when(record.submitted_at)} ({record.launcher}, profile {record.profile or '?'}"
+          f", git {str(record.git or '?')[:10]}){' by hand' if record.by_hand else ''}")
     print(f"runs:   {' '.join(map(str, what)) or '(the built-in trainer, defaults)'}")
     print(f"folder: {run_dir}")
     for line in progress_lines(events, running=state == "running"):
@@ -148,16 +148,16 @@ def show(ref: str) -> int:
     runs = attempts_of(run_dir)
     for line in [*map(describe_recovery, recoveries(runs)), *audit_lines(runs)]:
         print(line)
-    print(f"logs:   {record.get('log')}   (python -m cluster logs {ref} [--rank N] [--attempt K] [-f])")
+    print(f"logs:   {record.log}   (python -m cluster logs {ref} [--rank N] [--attempt K] [-f])")
     _why(record, events, run_dir)
     return 0
 
 
-def _why(record: dict[str, Any], events: list[dict[str, Any]], run_dir: Path) -> None:
+def _why(record: Record, events: list[dict[str, Any]], run_dir: Path) -> None:
     """A failed run: its first cause and the last lines of the rank it names."""
     result = result_of(run_dir)
     end = next((e for e in reversed(events) if e.get("event") == "attempt_end"
-                and str(e.get("job_id")) == str(record["job_id"])), None)
+                and str(e.get("job_id")) == record.job_id), None)
     if result.get("outcome") != "failed" or end is None:
         return
     cause = str(result.get("cause") or end.get("cause"))

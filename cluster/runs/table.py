@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import ledger
+from cluster.job.ledger import Record
 from cluster.job.nodes import ask
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
@@ -114,11 +115,11 @@ def read_dict(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def job_state(record: dict[str, Any], slurm: Slurm, events: list[dict[str, Any]],
+def job_state(record: Record, slurm: Slurm, events: list[dict[str, Any]],
               superseded: bool = False) -> tuple[str, int, str]:
     """(state, attempts, nodes) of one job: Slurm's word while it lives, else the run folder's verdict
     (``superseded``: the job was resubmitted, so the folder's result.json is its successor's)."""
-    job = str(record["job_id"])
+    job = record.job_id
     starts = [e for e in events if e.get("event") == "job_start" and str(e.get("job_id")) == job]
     acct = (slurm.accounting or {}).get(job, [])
     # sacct lists a pending job too, and a job that gave nodes back (RESIZING); restarts inside the allocation are
@@ -131,9 +132,9 @@ def job_state(record: dict[str, Any], slurm: Slurm, events: list[dict[str, Any]]
         state = LIVE.get(live[0], live[0].lower())
         return ("requeued" if state == "pending" and attempts > 0 else state), attempts, nodes
     # A resubmitted job's folder holds its successor's result: only the job's own verdicts speak for it then.
-    result = {} if superseded else result_of(Path(str(record.get("run_dir", ""))))
+    result = {} if superseded else result_of(Path(record.run_dir))
     ends = [e for e in events if e.get("event") == "attempt_end" and str(e.get("job_id")) == job]
-    if record.get("cancelled_at") or (acct and acct[-1][0] == "CANCELLED" and not result):
+    if record.cancelled_at or (acct and acct[-1][0] == "CANCELLED" and not result):
         return "cancelled", attempts, nodes
     if result.get("outcome") in ("finished", "pruned"):
         return str(result["outcome"]), attempts, nodes
@@ -149,24 +150,24 @@ def job_state(record: dict[str, Any], slurm: Slurm, events: list[dict[str, Any]]
     return ("ended" if starts else "never started"), attempts, nodes
 
 
-def trial_state(record: dict[str, Any], slurm: Slurm, events: list[dict[str, Any]]) -> tuple[str, int, str]:
+def trial_state(record: Record, slurm: Slurm, events: list[dict[str, Any]]) -> tuple[str, int, str]:
     """A sweep's trial: its result, else running while its worker (an array task, which runs one trial after
     another) lives and still holds it."""
     attempts = sum(e.get("event") == "job_start" for e in events)
-    outcome = result_of(Path(str(record.get("run_dir", "")))).get("outcome")
+    outcome = result_of(Path(record.run_dir)).get("outcome")
     if outcome:
         return str(outcome), attempts, ""
-    live = (slurm.queue or {}).get(str(record["job_id"]))
-    holds = read_dict(Path(str(record.get("sweep_dir"))) / "workers" / f"{record.get('worker')}.json")
-    if live and holds.get("trial") == record.get("trial"):
+    live = (slurm.queue or {}).get(record.job_id)
+    holds = read_dict(Path(record.sweep_dir) / "workers" / f"{record.worker}.json")
+    if live and holds.get("trial") == record.trial:
         return LIVE.get(live[0], live[0].lower()), attempts, live[1]
     return "ended", attempts, ""
 
 
-def sweep_row(record: dict[str, Any], slurm: Slurm) -> tuple[str, int, str]:
+def sweep_row(record: Record, slurm: Slurm) -> tuple[str, int, str]:
     """(state, workers that started, progress) of a sweep, from its workers' files and Slurm; no study is opened."""
-    folder = Path(str(record.get("run_dir", "")))
-    arrays = [str(a) for a in record.get("arrays") or [record["job_id"]]]
+    folder = Path(record.run_dir)
+    arrays = record.ids()
     live = [s for j, (s, _) in (slurm.queue or {}).items() if j.partition("_")[0] in arrays]
     done = total = 0
     for path in folder.glob("workers/*.json"):
@@ -176,7 +177,7 @@ def sweep_row(record: dict[str, Any], slurm: Slurm) -> tuple[str, int, str]:
     target = read_dict(folder / "sweep.json").get("target")
     if live:
         state = "running" if any(LIVE.get(s) == "running" for s in live) else "pending"
-    elif record.get("cancelled_at"):
+    elif record.cancelled_at:
         state = "cancelled"
     else:
         state = "finished" if target and done >= target else "ended" if total else "unknown"
@@ -186,23 +187,23 @@ def sweep_row(record: dict[str, Any], slurm: Slurm) -> tuple[str, int, str]:
 def rows(slurm: Slurm | None = None, trials: bool = False) -> list[Row]:
     """A row per recorded run, newest first (trials only with ``trials``)."""
     every = ledger.records()
-    recs = [r for r in every if trials or r.get("kind") != "trial"]
-    slurm = slurm or ask_slurm(sorted({str(j) for r in recs for j in (r.get("arrays") or [r["job_id"]])}))
-    superseded = {str(r["resubmit_of"]) for r in every if r.get("resubmit_of")}
+    recs = [r for r in every if trials or r.kind != "trial"]
+    slurm = slurm or ask_slurm(sorted({str(j) for r in recs for j in r.ids()}))
+    superseded = {r.resubmit_of for r in every if r.resubmit_of}
     now, out = time.time(), []
     for r in recs:
-        run_dir = Path(str(r.get("run_dir", "")))
-        age = now - ledger.when(r, now)
-        if r.get("kind") == "sweep":
+        run_dir = Path(r.run_dir)
+        age = now - (r.submitted_at or now)
+        if r.kind == "sweep":
             state, attempts, progress = sweep_row(r, slurm)
-            out.append(Row(str(r.get("name")), str(r["job_id"]), "sweep", state, attempts, "", progress, "", age,
+            out.append(Row(str(r.name), r.job_id, "sweep", state, attempts, "", progress, "", age,
                            str(run_dir)))
             continue
         events = list(read_events(run_dir))
-        state, attempts, nodes = (trial_state(r, slurm, events) if r.get("kind") == "trial"
-                                  else job_state(r, slurm, events, str(r["job_id"]) in superseded))
+        state, attempts, nodes = (trial_state(r, slurm, events) if r.kind == "trial"
+                                  else job_state(r, slurm, events, r.job_id in superseded))
         progress, metric = progress_of(events)
-        out.append(Row(str(r.get("name")), str(r["job_id"]), str(r.get("kind", "job")), state, attempts, nodes,
+        out.append(Row(str(r.name), r.job_id, str(r.kind), state, attempts, nodes,
                        progress, metric, age, str(run_dir)))
     return out
 

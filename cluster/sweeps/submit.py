@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import ledger
-from cluster.launch.submit import check_slurm, load_train_config, python_for, suspect_nodes
+from cluster.launch.submission import python_for
+from cluster.launch.submit import check_slurm, load_train_config, suspect_nodes
 from cluster.profile import Profile, load_profile
 from cluster.sweeps import storage_url
 from cluster.sweeps import study as studies
@@ -232,9 +233,10 @@ def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record
     record["submitted_at"] = datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(sweep_dir / "sweep.json", record)
     try:  # one record per sweep (RESUME adds its array to it)
-        ledger.write({"kind": "sweep", "key": record["sweep_id"], "name": record["sweep_id"], "job_id": record["arrays"][0],
-                      "arrays": record["arrays"], "run_dir": str(sweep_dir), "profile": p.name, "launcher": "sweep",
-                      "spec_file": record["spec_file"], "log": str(sweep_dir / "logs")})
+        ledger.write(ledger.Record(kind="sweep", key=record["sweep_id"], name=record["sweep_id"],
+                                   job_id=str(record["arrays"][0]), arrays=tuple(map(str, record["arrays"])),
+                                   run_dir=str(sweep_dir), profile=p.name, launcher="sweep",
+                                   spec_file=record["spec_file"], log=str(sweep_dir / "logs")))
     except OSError as err:
         print(f"warning: could not record sweep {sweep_dir.name} in {ledger.folder()}: {err}", file=sys.stderr)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in

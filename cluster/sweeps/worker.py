@@ -129,9 +129,9 @@ def _record(sweep_dir: Path, worker: int, record: dict[str, Any], number: int, p
     """The trial in the ledger (``python -m cluster runs --trials``), under its worker's array task."""
     name, task = f"{record['sweep_id']}-{number}", f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}"
     try:
-        ledger.write({"kind": "trial", "key": name, "name": name, "trial": number, "worker": worker, "job_id": task,
-                      "sweep_dir": str(sweep_dir), "run_dir": str(sweep_dir / "trials" / str(number)), "params": params,
-                      "launcher": "sweep", "log": str(log_path(sweep_dir, task))})
+        ledger.write(ledger.Record(kind="trial", key=name, name=name, trial=number, worker=worker, job_id=task,
+                                   sweep_dir=str(sweep_dir), run_dir=str(sweep_dir / "trials" / str(number)),
+                                   params=params, launcher="sweep", log=str(log_path(sweep_dir, task))))
     except OSError as err:
         print(f"worker {worker}: could not record trial {number} in the ledger: {err}", file=sys.stderr)
 

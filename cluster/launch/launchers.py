@@ -1,0 +1,268 @@
+"""The two launchers behind one interface: an sbatch script rendered here, or submitit's executor and tasks.
+
+``pick(name)`` is the one place that knows the launchers by name; everything else holds a ``Launcher``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from cluster.launch.command import Command, requeue_after
+from cluster.launch.render import (
+    container_prefix,
+    doctor_step,
+    dq,
+    flight_recorder,
+    host_python,
+    render_sbatch,
+    requeue_rule,
+    run_dir_lines,
+)
+from cluster.launch.submission import Submission, python_for, split_run_dir
+from cluster.launch.submitit_adapter import renderable, submission_text
+from cluster.launch.task import CommandTask, TrainTask
+from cluster.profile import Profile
+from trainer.core.errors import UserError
+
+Recorder = Callable[[str, str], None]
+"""Called with the job id and its log (file or folder) once Slurm took the job: the ledger's record."""
+
+
+class Launcher(Protocol):
+    """How a submission reaches Slurm."""
+
+    name: str
+    task_logs: bool
+    """One log file per task (instead of one batch log labelled by rank)."""
+
+    def warned_with(self, p: Profile) -> str:
+        """The signal a job is warned with before its time limit or a preemption."""
+        ...
+
+    def check(self, s: Submission) -> None:
+        """Refuse (``UserError``) what this launcher cannot run."""
+        ...
+
+    def script(self, s: Submission) -> str:
+        """The exact batch script it would submit (dry runs, golden files)."""
+        ...
+
+    def submit(self, s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+        """Submit, excluding the nodes in ``avoid``; ``record`` once there is a job id; with ``wait``, report its end."""
+        ...
+
+
+def _no_grace() -> None:
+    raise UserError("profile.signal_grace_s", "0 (no warning signal) needs the sbatch launcher, and a command that "
+                    "saves itself: submitit always warns, and requeue_on_signal stops a command on the warning",
+                    "signal_grace_s: 120 (time for one save), or LAUNCHER=sbatch without requeue_on_signal")
+
+
+class Sbatch:
+    """A script rendered from the profile (cluster/launch/render.py), given to ``sbatch``."""
+
+    name, task_logs = "sbatch", False
+
+    def warned_with(self, p: Profile) -> str:
+        return f"SIG{p.signal}"
+
+    def check(self, s: Submission) -> None:
+        if s.profile.signal_grace_s == 0 and s.profile.requeue_on_signal:
+            _no_grace()
+
+    def script(self, s: Submission) -> str:
+        return sbatch_script(s.profile, list(s.args), s.command)
+
+    def submit(self, s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+        return _submit_sbatch(s, wait, avoid, record)
+
+
+class Submitit:
+    """submitit's executor: its own batch script, the task pickled (cluster/launch/task.py)."""
+
+    name, task_logs = "submitit", True
+
+    def warned_with(self, p: Profile) -> str:
+        return "SIGUSR2"
+
+    def check(self, s: Submission) -> None:
+        p = s.profile
+        if p.signal != "USR2" or p.launch != "srun":
+            raise UserError("profile.signal" if p.signal != "USR2" else "profile.launch",
+                            "submitit always warns with USR2 and starts one task per process",
+                            "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
+        if p.signal_grace_s == 0:
+            _no_grace()
+
+    def script(self, s: Submission) -> str:
+        print(f"# each task runs: {task_line(s.profile, list(s.args), s.command)}", file=sys.stderr)
+        return submitit_script(s.profile, list(s.args), s.command)
+
+    def submit(self, s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+        return _submit_submitit(s, wait, avoid, record)
+
+
+LAUNCHERS: dict[str, Launcher] = {"submitit": Submitit(), "sbatch": Sbatch()}
+
+
+def pick(name: str) -> Launcher:
+    """The launcher called ``name`` (``LAUNCHER=``, ``--launcher``, or a ledger record's)."""
+    if name not in LAUNCHERS:
+        raise UserError("LAUNCHER", f"must be {' or '.join(LAUNCHERS)}, got {name!r}", "LAUNCHER=sbatch or leave it unset")
+    return LAUNCHERS[name]
+
+
+def sbatch_script(p: Profile, args: list[str], command: Command | None = None) -> str:
+    """The script `LAUNCHER=sbatch` submits: the built-in trainer with overrides ``args``, or ``command``."""
+    rest, run_dir = split_run_dir(args) if command is None else ([], None)
+    return render_sbatch(p, python_for(p), rest, f"rendered from profile {p.name!r} by `python -m cluster submit`",
+                         run_dir=run_dir, command=command)
+
+
+
+def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None, command: bool = False) -> Any:
+    """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given; ``args``:
+    the training overrides, which the optional preflight doctor checks with)."""
+    import submitit
+
+    if p.spare_nodes:
+        raise UserError("profile.spare_nodes", "needs the sbatch launcher (submitit starts its tasks itself, on every "
+                        "node of the job)", "LAUNCHER=sbatch, or spare_nodes: 0")
+    if p.min_nodes and p.min_nodes < p.nodes:
+        raise UserError("profile.min_nodes", f"a node range ({p.node_range}) needs the sbatch launcher: submitit asks "
+                        "for a fixed node count and waits for a result from each of its nodes × tasks_per_node tasks",
+                        f"LAUNCHER=sbatch, or NODES={p.nodes}")
+    folder = Path(p.log_dir) / "%j"
+    inside = container_prefix(p)
+    # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
+    # below applies the same requeue rule as an sbatch script, in the batch shell, outside any container.
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=0,
+                               slurm_python=f"{inside} python3" if inside else python_for(p))
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
+    setup += [f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []
+    setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
+    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2",  # submitit warns with USR2
+                           p.signal_grace_s)
+    host = host_python(p, python_for(p))
+    teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)",
+                *requeue_rule(p, host, report=command and not inside)]
+    py = "python3" if inside else shlex.quote(python_for(p))
+    doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
+    doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0])
+    setup += doctor_step(p, [doctor], host)
+    params: dict[str, Any] = {
+        "name": p.job_name,
+        "nodes": p.nodes,
+        "tasks_per_node": p.ntasks_per_node,
+        "cpus_per_task": p.cpus_per_task,
+        "timeout_min": p.time_min,
+        "slurm_signal_delay_s": p.signal_grace_s,
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],
+        "slurm_setup": setup,
+        "slurm_additional_parameters": {"requeue": "expedite" if p.requeue_expedite == "yes" else True},
+        "slurm_teardown": teardown,
+    }
+    if p.gpus_per_node:
+        params["gpus_per_node"] = p.gpus_per_node
+    if p.mem_per_task_gb:
+        params["mem_gb"] = p.mem_per_task_gb * p.ntasks_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(p, key):
+            params[f"slurm_{key}"] = getattr(p, key)
+    ex.update_parameters(**params)
+    return ex
+
+
+
+def submitit_script(p: Profile, args: list[str], command: Command | None = None) -> str:
+    """The exact batch script submitit would submit for this profile (its submission file text)."""
+    with renderable():
+        ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
+    return submission_text(ex)
+
+
+
+def task_line(p: Profile, args: list[str], command: Command | None) -> str:
+    """What each submitit task runs, as a command line (for dry runs)."""
+    if command is None:
+        return f"python -m trainer {shlex.join(args)}"
+    return f"python -m trainer.launch {shlex.join([*command.launch_args(p), *command.argv])}"
+
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a log (empty when it does not exist)."""
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return ""
+
+
+
+def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+    p, command = s.profile, s.command
+    script = sbatch_script(p, list(s.args), command)
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(script)
+    proc.stdin.close()
+    job_id = proc.stdout.readline().strip().split(";")[0]
+    if not job_id:
+        proc.wait()
+        print(f"sbatch refused the job (exit {proc.returncode}); its message is above", file=sys.stderr)
+        return proc.returncode or 1
+    log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
+    record(job_id, str(log))
+    what = f"command: {command}, " if command else ""
+    spare = f" + {p.spare_nodes} spare" if p.spare_nodes else ""
+    print(f"submitted job {job_id} (sbatch, {what}{p.nodes}{spare} node(s), profile {p.name})")
+    print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
+    rc = proc.wait()
+    if wait:
+        print(f"job {job_id} ended with exit code {rc}; the log's last lines:")
+        print(tail(log), end="")
+    return rc
+
+
+
+def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+    p, command = s.profile, s.command
+    ex = executor(p, s.run_dir, list(s.args)) if command is None else executor(p, command=True)
+    if avoid:
+        ex.update_parameters(slurm_exclude=",".join(avoid))
+    task: TrainTask | CommandTask = (
+        TrainTask(list(s.args)) if command is None
+        else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))
+    job = ex.submit(task)
+    record(str(job.job_id), str(Path(job.paths.stdout).parent))
+    what = f"command: {command}, " if command else ""
+    print(f"submitted job {job.job_id} (submitit, {what}{p.nodes} node(s), profile {p.name})")
+    print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
+    print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
+    if not wait:
+        return 0
+    try:
+        results = job.results()
+    except Exception as exc:  # submitit re-raises the task's error with its log
+        errors = [line for line in str(exc).splitlines() if "Error:" in line]  # the task's own error, not the trace
+        print(f"job {job.job_id} failed: {errors[-1].strip() if errors else exc}", file=sys.stderr)
+        for path in (job.paths.stdout, job.paths.stderr):
+            print(f"--- last lines of {path}", file=sys.stderr)
+            print(tail(Path(path)), end="", file=sys.stderr)
+        return 1
+    if command is not None:
+        print(f"job {job.job_id} done: the command exited 0 on {len(results)} task(s)")
+        return 0
+    main = results[0]
+    scores = ", ".join(f"{k[5:]} {v:.4g}" for k, v in main.items() if k.startswith("test_")) or "no evaluation set"
+    print(f"job {job.job_id} done: {scores}, world size {main['world_size']}, checkpoint {main['checkpoint']}")
+    for r in results:
+        checksum = f", parameter checksum {r['param_checksums'][r['rank']]}" if "param_checksums" in r else ""
+        print(f"  rank {r['rank']}: world size {r['world_size']}{checksum}")
+    return 0
