@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -155,3 +155,31 @@ def dev_cluster_env(version: str = "") -> dict[str, str] | None:
         if m:
             env[m.group(1)] = string.Template(" ".join(shlex.split(m.group(2)))).safe_substitute(env)
     return env
+
+
+def processes() -> Iterator[tuple[int, dict[str, str], list[str]]]:
+    """Every process this user may read: (pid, its environment, its argv), to fault one from outside."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+            argv = (proc / "cmdline").read_text().split("\0")
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit():
+            yield int(proc.name), env, argv
+
+
+def standalone(name: str, measure: Callable[[int, Path], dict[str, Any]], section: Callable[[dict[str, Any]], list[str]],
+               doc: str, option: str = "repeats", default: int = 3) -> int:
+    """``python -m benchmarks.NAME``: measure one section alone (``--OPTION N``), publish it, exit 0."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(f"--{option}", type=int, default=default)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    a = parser.parse_args()
+    with tempfile.TemporaryDirectory() as t:
+        results = measure(getattr(a, option), Path(t))
+    publish(a.out, name, results, section(results))
+    return 0 if results.get("same_result", True) else 1
+

@@ -8,19 +8,17 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, dev_cluster_env, machine, publish
+from benchmarks.common import ROOT, dev_cluster_env, machine, processes, standalone
 from benchmarks.recovery import events_of, wait_until
 from trainer.runtime.attempts import attempts, figures, recoveries
 
@@ -47,15 +45,10 @@ def _submit(run: Path, env: dict[str, str]) -> str:
 
 def _trainer(job: str, rank: int) -> int | None:
     """The pid of ``rank``'s trainer process in the job's live attempt."""
-    for proc in Path("/proc").iterdir():
-        try:
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            argv = (proc / "cmdline").read_text().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, env, argv in processes():
         if env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(rank) and "python" in Path(argv[0]).name \
                 and argv[1:3] == ["-m", "trainer"]:
-            return int(proc.name)
+            return pid
     return None
 
 
@@ -139,14 +132,7 @@ def section(r: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    a = parser.parse_args()
-    with tempfile.TemporaryDirectory() as t:
-        results = measure(a.seed, Path(t))
-    publish(a.out, "life", results, section(results))
-    return 0 if results["same_result"] else 1
+    return standalone("life", measure, section, __doc__ or "", option="seed", default=1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the first step of the next attempt, and that recovery's phases (trainer/runtime/
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, publish, show, spread
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, processes, show, spread, standalone
 from trainer.runtime.attempts import PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
@@ -57,15 +56,10 @@ def ready(run: Path, memory: bool) -> bool:
 
 def kill(match: Callable[[dict[str, str]], bool]) -> float:
     """SIGKILL the one trainer process whose environment matches; the time of the kill."""
-    for proc in Path("/proc").iterdir():
-        try:
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            argv = (proc / "cmdline").read_text().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, env, argv in processes():
         module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None  # torchrun's workers run python -u -m
         if "python" in Path(argv[0]).name and module == "trainer" and match(env):
-            os.kill(int(proc.name), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             return time.time()
     raise RuntimeError("no trainer process to kill")
 
@@ -171,14 +165,7 @@ def section(r: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    a = parser.parse_args()
-    with tempfile.TemporaryDirectory() as t:
-        results = measure(a.repeats, Path(t))
-    publish(a.out, "recovery", results, section(results))
-    return 0
+    return standalone("recovery", measure, section, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,14 @@ whose cluster is down is left out (`make dev-cluster SLURM=24.11` starts one).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, dev_cluster_env, machine, publish, show, spread
+from benchmarks.common import dev_cluster_env, machine, show, spread, standalone
 from benchmarks.recovery import slurm_run
 
 VERSIONS = ("", "24.11", "26.05")
@@ -62,14 +60,7 @@ def section(r: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    a = parser.parse_args()
-    with tempfile.TemporaryDirectory() as t:
-        results = measure(a.repeats, Path(t))
-    publish(a.out, "versions", results, section(results))
-    return 0
+    return standalone("versions", measure, section, __doc__ or "")
 
 
 if __name__ == "__main__":

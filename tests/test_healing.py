@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks.common import processes
+
 from .conftest import ROOT, SMALL, faults
 from .test_slurm import cluster_cmd, job_id_of, job_state, sh, slurm_env, wait_for
 
@@ -52,19 +54,14 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
     """SIGKILL (or ``sig``) the training process of ``rank`` (None: of any rank not on node ``not_on``) in attempt
     ``restart`` of ``job`` (``script``: the command's own process, under `python -m trainer.launch`); return its
     Slurm node name."""
-    for proc in Path("/proc").iterdir():
-        try:
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            argv = (proc / "cmdline").read_text().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, env, argv in processes():
         ours = env.get("SLURM_JOB_ID") == job and int(env.get("SLURM_RESTART_COUNT") or 0) == restart
         which = env.get("SLURM_PROCID") == str(rank) if rank is not None else (
             "SLURM_PROCID" in env and env.get("SLURMD_NODENAME") != not_on)
         trainer = "python" in Path(argv[0]).name and (
             argv[1:2] == [script] if script else "-m" in argv and "cluster.job.verdict" not in argv)
         if ours and which and trainer:
-            os.kill(int(proc.name), sig)
+            os.kill(pid, sig)
             return env["SLURMD_NODENAME"]
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
 
