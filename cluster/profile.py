@@ -139,7 +139,7 @@ class Profile:
         return self.ntasks_per_node if self.launch == "torchrun" else 1
 
 
-def _err(key: str, message: str, hint: str) -> UserError:
+def bad(key: str, message: str, hint: str) -> UserError:
     return UserError(f"profile.{key}", message, hint)
 
 
@@ -160,7 +160,7 @@ def load_profile(name_or_path: str, overrides: dict[str, object] | None = None) 
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         valid = ", ".join(f.name for f in fields(Profile))
-        raise _err(str(key), str(exc).splitlines()[0].rstrip("."), f"check {path}; valid keys: {valid}") from None
+        raise bad(str(key), str(exc).splitlines()[0].rstrip("."), f"check {path}; valid keys: {valid}") from None
     profile: Profile = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(profile)
     return profile
@@ -170,46 +170,46 @@ def validate(p: Profile) -> None:
     """Reject values Slurm would refuse later (or, worse, accept and misuse)."""
     for key in ("nodes", "time_min", "cpus_per_task"):
         if getattr(p, key) < 1:
-            raise _err(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
+            raise bad(key, f"must be >= 1, got {getattr(p, key)}", f"e.g. {key}: 1")
     for key in ("gpus_per_node", "tasks_per_node", "mem_per_task_gb", "signal_grace_s", "max_requeues", "max_failures",
                 "suspect_hours", "spare_nodes", "mtbf_hours"):
         if getattr(p, key) < 0:
-            raise _err(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
+            raise bad(key, f"must be >= 0, got {getattr(p, key)}", f"e.g. {key}: 0")
     if p.suspect_after < 1:
-        raise _err("suspect_after", f"must be >= 1, got {p.suspect_after}: 0 would avoid every node ever blamed",
+        raise bad("suspect_after", f"must be >= 1, got {p.suspect_after}: 0 would avoid every node ever blamed",
                    "suspect_after: 2 (blames from two different jobs), or 1 to avoid a node at its first blame")
     if p.requeue_expedite not in ("auto", "yes", "no"):
-        raise _err("requeue_expedite", f"must be auto, yes or no, got {p.requeue_expedite!r}", "requeue_expedite: auto")
+        raise bad("requeue_expedite", f"must be auto, yes or no, got {p.requeue_expedite!r}", "requeue_expedite: auto")
     if p.storm_after < 0:
-        raise _err("storm_after", f"must be >= 0, got {p.storm_after}", "storm_after: 3, or 0 to never stop for it")
+        raise bad("storm_after", f"must be >= 0, got {p.storm_after}", "storm_after: 3, or 0 to never stop for it")
     if not 0 <= p.min_nodes <= p.nodes:
-        raise _err("min_nodes", f"must be between 0 and nodes={p.nodes}, got {p.min_nodes}",
+        raise bad("min_nodes", f"must be between 0 and nodes={p.nodes}, got {p.min_nodes}",
                    f"e.g. NODES=1-{p.nodes} (min_nodes: 1), or min_nodes: 0 for exactly {p.nodes}")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", p.job_name):
-        raise _err("job_name", f"{p.job_name!r} has characters Slurm and shells treat specially",
+        raise bad("job_name", f"{p.job_name!r} has characters Slurm and shells treat specially",
                    "use letters, digits, '.', '_' and '-'")
     for key in ("partition", "account", "qos", "constraint"):
         value = getattr(p, key)
         if value is not None and not re.fullmatch(r"[A-Za-z0-9._,&|:\[\]*-]+", value):
-            raise _err(key, f"{value!r} is not a valid Slurm {key}", f"e.g. {key}: gpu")
+            raise bad(key, f"{value!r} is not a valid Slurm {key}", f"e.g. {key}: gpu")
     if p.launch not in ("srun", "torchrun"):
-        raise _err("launch", f"must be srun or torchrun, got {p.launch!r}", "launch: srun")
+        raise bad("launch", f"must be srun or torchrun, got {p.launch!r}", "launch: srun")
     if p.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
-        raise _err("signal", f"unsupported signal {p.signal!r}", "signal: USR2 (USR1 may be taken by NCCL)")
+        raise bad("signal", f"unsupported signal {p.signal!r}", "signal: USR2 (USR1 may be taken by NCCL)")
     if p.container.runtime not in ("none", "apptainer", "pyxis", "docker"):
-        raise _err("container.runtime", f"must be none, apptainer, pyxis or docker, got {p.container.runtime!r}",
+        raise bad("container.runtime", f"must be none, apptainer, pyxis or docker, got {p.container.runtime!r}",
                    "container: {runtime: none}")
     if p.container.runtime != "none" and not p.container.image:
-        raise _err("container.image", f"is required with runtime {p.container.runtime}", "e.g. image: trainer.sif")
+        raise bad("container.image", f"is required with runtime {p.container.runtime}", "e.g. image: trainer.sif")
     for mount in p.container.mounts:
         if not re.fullmatch(r"[A-Za-z0-9._/@+=-]+(:[A-Za-z0-9._/@+=-]+)?(:ro|:rw)?", mount):
-            raise _err("container.mounts", f"{mount!r} is not a plain HOST[:CONTAINER] path",
+            raise bad("container.mounts", f"{mount!r} is not a plain HOST[:CONTAINER] path",
                        "use absolute paths without spaces, quotes or commas, e.g. /data:/data")
     for name in p.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise _err(f"env.{name}", "is not a valid variable name", "use letters, digits and '_'")
+            raise bad(f"env.{name}", "is not a valid variable name", "use letters, digits and '_'")
         if name == "WANDB_API_KEY":
-            raise _err("env.WANDB_API_KEY", "secrets do not belong in profiles (they end up in rendered scripts)",
+            raise bad("env.WANDB_API_KEY", "secrets do not belong in profiles (they end up in rendered scripts)",
                        "export WANDB_API_KEY in your shell or use ~/.netrc; Slurm passes the environment on")
 
 

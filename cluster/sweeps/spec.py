@@ -92,7 +92,8 @@ class SweepSpec:
     {type: categorical, choices: […]}."""
 
 
-def _err(key: str, message: str, hint: str) -> UserError:
+def bad(key: str, message: str, hint: str) -> UserError:
+    """A bad sweep spec: the field is named ``sweep.KEY``."""
     return UserError(f"sweep.{key}" if key else "sweep", message, hint)
 
 
@@ -111,7 +112,8 @@ def _arg(key: str, value: Any) -> str:
     return plain if isinstance(back, str) and back == value else f"{key}={json.dumps(value)}"
 
 
-def _kv(overrides: dict[str, Any]) -> str:
+def overrides_text(overrides: dict[str, Any]) -> str:
+    """``key=value …`` as a line shows them."""
     return " ".join(f"{k}={fmt(v)}" for k, v in overrides.items())
 
 
@@ -132,14 +134,14 @@ def load_spec(path: str | Path) -> SweepSpec:
         # OmegaConf raises a bare TypeError (no key) when a list meets a mapping field, or the reverse.
         if loaded.get(key) is not None and not isinstance(loaded.get(key), kind):
             shape = "a mapping (key: value lines)" if kind is DictConfig else "a list (- item lines)"
-            raise _err(key, f"must be {shape}, got {loaded.get(key)!r}", "see cluster/sweeps/example.yaml")
+            raise bad(key, f"must be {shape}, got {loaded.get(key)!r}", "see cluster/sweeps/example.yaml")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec(name=path.stem)), loaded)
         spec: SweepSpec = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         key = str(getattr(exc, "full_key", None) or "")
         valid = ", ".join(f.name for f in fields(SweepSpec))
-        raise _err(key, str(exc).splitlines()[0].replace("Key ", "key ").rstrip("."),
+        raise bad(key, str(exc).splitlines()[0].replace("Key ", "key ").rstrip("."),
                    f"check {path}; valid keys: {valid}") from None
     validate(spec)
     return spec
@@ -151,19 +153,19 @@ def parameter(spec: SweepSpec, key: str, value: Any) -> dict[str, Any]:
     if isinstance(value, list):
         value = {"type": "categorical", "choices": value}
     if not isinstance(value, dict):
-        raise _err(where, f"must be a list of values or a distribution, got {value!r}", f"e.g. {key}: [{value}]")
+        raise bad(where, f"must be a list of values or a distribution, got {value!r}", f"e.g. {key}: [{value}]")
     if "distribution" in value:  # an earlier spec's spelling
         kind, log = OLD.get(value["distribution"], (None, False))
         if kind is None:
-            raise _err(f"{where}.distribution", f"must be one of {', '.join(OLD)}, got {value['distribution']!r}",
+            raise bad(f"{where}.distribution", f"must be one of {', '.join(OLD)}, got {value['distribution']!r}",
                        f"or Optuna's spelling: {key}: {{type: float, low: 0.001, high: 0.1, log: true}}")
         value = {"type": kind, "log": log, **{("low" if k == "min" else "high" if k == "max" else k): v
                                               for k, v in value.items() if k != "distribution"}}
     if "type" not in value and any(isinstance(v, list | dict) for v in value.values()):
-        raise _err(where, "is a group of keys, not one key", f"write the dotted trainer key: {key}.{next(iter(value))}: [a, b]")
+        raise bad(where, "is a group of keys, not one key", f"write the dotted trainer key: {key}.{next(iter(value))}: [a, b]")
     kind = value.get("type")
     if kind not in TYPES:
-        raise _err(f"{where}.type", f"must be one of {', '.join(TYPES)}, got {kind!r}",
+        raise bad(f"{where}.type", f"must be one of {', '.join(TYPES)}, got {kind!r}",
                    f"e.g. {key}: {{type: float, low: 0.001, high: 0.1, log: true}}, or a list of values")
     if kind == "categorical":
         return {"type": kind, "choices": _choices(where, key, value)}
@@ -173,15 +175,15 @@ def parameter(spec: SweepSpec, key: str, value: Any) -> dict[str, Any]:
 def _choices(where: str, key: str, value: dict[str, Any]) -> list[Any]:
     unknown = sorted(set(value) - {"type", "choices"})
     if unknown:
-        raise _err(f"{where}.{unknown[0]}", "unknown key", f"a categorical parameter has choices: {key}: [a, b]")
+        raise bad(f"{where}.{unknown[0]}", "unknown key", f"a categorical parameter has choices: {key}: [a, b]")
     choices = value.get("choices")
     if not isinstance(choices, list) or not choices:
-        raise _err(where, "has no values", f"list one or more: {key}: [value1, value2]")
+        raise bad(where, "has no values", f"list one or more: {key}: [value1, value2]")
     for v in choices:
         if isinstance(v, list | dict):
-            raise _err(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
+            raise bad(where, f"values must be single values, got {v!r}", f"list them flat: {key}: [value1, value2]")
     if len({json.dumps(float(v) if is_number(v) else v) for v in choices}) != len(choices):  # 1 and 1.0 are one value
-        raise _err(where, f"lists a value twice: {choices}", "list each value once (a repeat is a duplicate trial)")
+        raise bad(where, f"lists a value twice: {choices}", "list each value once (a repeat is a duplicate trial)")
     return choices
 
 
@@ -190,21 +192,21 @@ def _range(where: str, key: str, kind: str, value: dict[str, Any]) -> dict[str, 
                else f"{key}: {{type: float, low: 0.001, high: 0.1, log: true}}")
     unknown = sorted(set(value) - {"type", "low", "high", "log", "step"})
     if unknown:
-        raise _err(f"{where}.{unknown[0]}", "unknown key", f"a range has low, high and optionally log or step: {example}")
+        raise bad(f"{where}.{unknown[0]}", "unknown key", f"a range has low, high and optionally log or step: {example}")
     for k in ("low", "high"):
         v = value.get(k)
         if v is None:
-            raise _err(f"{where}.{k}", "is required", f"e.g. {example}")
+            raise bad(f"{where}.{k}", "is required", f"e.g. {example}")
         if not is_number(v) or (kind == "int" and not isinstance(v, int)):
-            raise _err(f"{where}.{k}", f"must be {'a whole number' if kind == 'int' else 'a number'}, got {v!r}",
+            raise bad(f"{where}.{k}", f"must be {'a whole number' if kind == 'int' else 'a number'}, got {v!r}",
                        f"e.g. {example}")
     low, high, log, step = value["low"], value["high"], bool(value.get("log", False)), value.get("step")
     if low >= high:
-        raise _err(where, f"is an empty range: low ({low}) must be below high ({high})", f"e.g. {example}")
+        raise bad(where, f"is an empty range: low ({low}) must be below high ({high})", f"e.g. {example}")
     if log and low <= 0:
-        raise _err(f"{where}.low", f"a log range needs low > 0, got {low}", f"e.g. {example}")
+        raise bad(f"{where}.low", f"a log range needs low > 0, got {low}", f"e.g. {example}")
     if step is not None and (log or not is_number(step) or step <= 0 or (kind == "int" and not isinstance(step, int))):
-        raise _err(f"{where}.step", f"must be a positive {'whole ' if kind == 'int' else ''}number without log, "
+        raise bad(f"{where}.step", f"must be a positive {'whole ' if kind == 'int' else ''}number without log, "
                    f"got {step!r}{' with log: true' if log else ''}", f"e.g. {example}")
     return {"type": kind, "low": low, "high": high, "log": log, **({"step": step} if step is not None else {})}
 
@@ -213,66 +215,66 @@ def _check_args(spec: SweepSpec) -> None:
     """The spec's fixed trainer arguments: key=value strings, none set per trial, swept, or of an earlier version."""
     for arg in spec.args:
         if not isinstance(arg, str):
-            raise _err("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
+            raise bad("args", f"items must be key=value strings, got {arg!r}", "e.g. args: [train.epochs=2, optim.lr=0.1]")
         key = arg.split("=", 1)[0]
         if key in LEGACY:
-            raise _err("args", f"{key} is no longer a key ({LEGACY[key][1]})", f"remove {arg!r} from args")
+            raise bad("args", f"{key} is no longer a key ({LEGACY[key][1]})", f"remove {arg!r} from args")
         if key in PER_TRIAL:
-            raise _err("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
+            raise bad("args", f"{key} is set per trial by the sweep", f"remove {arg!r} from args")
         if key in spec.parameters:
-            raise _err("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
+            raise bad("args", f"{key} is also a swept parameter", f"remove {arg!r} from args (the swept values would win)")
 
 
 def validate(spec: SweepSpec) -> None:
     """Reject a spec no sweep can run (the trainer checks each trial's values later, in ``check_trials``)."""
     if not re.fullmatch(r"[A-Za-z0-9._-]+", spec.name):
-        raise _err("name", f"{spec.name!r} has characters Slurm and shells treat specially",
+        raise bad("name", f"{spec.name!r} has characters Slurm and shells treat specially",
                    "use letters, digits, '.', '_' and '-', e.g. name: lr-batch")
     if spec.method not in METHODS:
-        raise _err("method", f"must be one of {', '.join(METHODS)}, got {spec.method!r}",
+        raise bad("method", f"must be one of {', '.join(METHODS)}, got {spec.method!r}",
                    "method: tpe (adapts to results), random, grid (every combination) or cmaes")
     if spec.mode not in ("max", "min"):
-        raise _err("mode", f"must be max or min, got {spec.mode!r}", "mode: max for accuracy, min for a loss")
+        raise bad("mode", f"must be max or min, got {spec.mode!r}", "mode: max for accuracy, min for a loss")
     # A command's result.json and reports hold what it writes: any name goes (a trial that lacks it fails, saying so).
     if spec.command is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", spec.metric):
-        raise _err("metric", f"{spec.metric!r} cannot be a key of result.json", "e.g. metric: val_loss")
+        raise bad("metric", f"{spec.metric!r} cannot be a key of result.json", "e.g. metric: val_loss")
     if spec.command is None and spec.metric not in METRICS and not (spec.metric.startswith("test_")
                                                                     and len(spec.metric) > 5):
-        raise _err("metric", f"{spec.metric!r} is not a metric of result.json",
+        raise bad("metric", f"{spec.metric!r} is not a metric of result.json",
                    f"use one of: {', '.join(METRICS)}, or test_<name> for any metric your task's eval_step returns")
     if spec.max_parallel < 1:
-        raise _err("max_parallel", f"must be >= 1, got {spec.max_parallel}", "e.g. max_parallel: 4")
+        raise bad("max_parallel", f"must be >= 1, got {spec.max_parallel}", "e.g. max_parallel: 4")
     if spec.pruner not in PRUNERS:
-        raise _err("pruner", f"must be one of {', '.join(PRUNERS)}, got {spec.pruner!r}", "e.g. pruner: asha")
+        raise bad("pruner", f"must be one of {', '.join(PRUNERS)}, got {spec.pruner!r}", "e.g. pruner: asha")
     if spec.pruner != "none" and spec.command is None and not spec.metric.startswith("test_"):
-        raise _err("pruner", f"needs intermediate values of the metric, and {spec.metric} has none: trials report "
+        raise bad("pruner", f"needs intermediate values of the metric, and {spec.metric} has none: trials report "
                    "their evaluation (test_*) metrics as they train", "rank by a test_* metric, or pruner: none")
     if spec.pruner == "none" and spec.pruner_args:
-        raise _err("pruner_args", "are set but pruner is none", "choose a pruner (e.g. pruner: asha) or remove pruner_args")
+        raise bad("pruner_args", "are set but pruner is none", "choose a pruner (e.g. pruner: asha) or remove pruner_args")
     if spec.trials is not None and not 1 <= spec.trials <= MAX_TRIALS:
-        raise _err("trials", f"must be 1-{MAX_TRIALS}, got {spec.trials}", "e.g. trials: 16")
+        raise bad("trials", f"must be 1-{MAX_TRIALS}, got {spec.trials}", "e.g. trials: 16")
     if spec.trials is None and spec.method != "grid":
-        raise _err("trials", f"method: {spec.method} needs trials >= 1 (none given)", "e.g. trials: 16")
+        raise bad("trials", f"method: {spec.method} needs trials >= 1 (none given)", "e.g. trials: 16")
     if not spec.parameters:
-        raise _err("parameters", "is empty: nothing to sweep", "e.g. parameters: {optim.lr: [0.01, 0.1]}")
+        raise bad("parameters", "is empty: nothing to sweep", "e.g. parameters: {optim.lr: [0.01, 0.1]}")
     if spec.command is not None:
         _check_command(spec)
     for key, value in spec.parameters.items():
         if key in LEGACY and spec.command is None:
-            raise _err(f"parameters.{key}", f"is no longer a key ({LEGACY[key][1]})", "remove it from parameters")
+            raise bad(f"parameters.{key}", f"is no longer a key ({LEGACY[key][1]})", "remove it from parameters")
         if key in PER_TRIAL and spec.command is None:
-            raise _err(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
+            raise bad(f"parameters.{key}", "is set per trial by the sweep", "remove it from parameters")
         shape = parameter(spec, key, value)
         if spec.method == "grid" and shape["type"] != "categorical":
-            raise _err(f"parameters.{key}", "a range needs an adaptive or random method (a grid lists its values)",
+            raise bad(f"parameters.{key}", "a range needs an adaptive or random method (a grid lists its values)",
                        f"list the grid's values, e.g. {key}: [value1, value2], or set method: tpe and trials: N")
     _check_args(spec)
     space = _space(spec)
     if spec.trials and spec.trials > space:
-        raise _err("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {space}",
+        raise bad("trials", f"{spec.trials} distinct trials cannot be drawn: the parameters allow only {space}",
                    f"use trials: {space} or fewer, or widen the ranges")
     if spec.method == "grid" and space > MAX_TRIALS:
-        raise _err("parameters", f"the grid has {space} trials; a sweep runs at most {MAX_TRIALS}",
+        raise bad("parameters", f"the grid has {space} trials; a sweep runs at most {MAX_TRIALS}",
                    f"list fewer values, split the sweep, or use method: tpe with trials: {MAX_TRIALS} or fewer")
 
 
@@ -281,17 +283,17 @@ def _check_command(spec: SweepSpec) -> None:
     try:
         words = shlex.split(spec.command or "")
     except ValueError as exc:
-        raise _err("command", f"cannot split {spec.command!r} into words ({exc})", "close every quote") from None
+        raise bad("command", f"cannot split {spec.command!r} into words ({exc})", "close every quote") from None
     if not words:
-        raise _err("command", "is empty", 'e.g. command: "python train.py --epochs 2"')
+        raise bad("command", "is empty", 'e.g. command: "python train.py --epochs 2"')
     if spec.args:
-        raise _err("args", "are trainer overrides; this sweep runs a command", "put fixed arguments in command:")
+        raise bad("args", "are trainer overrides; this sweep runs a command", "put fixed arguments in command:")
     for key in spec.parameters:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", key):
-            raise _err(f"parameters.{key}", "is not a plain name (it becomes --name or fills {name})", "e.g. lr, batch-size")
+            raise bad(f"parameters.{key}", "is not a plain name (it becomes --name or fills {name})", "e.g. lr, batch-size")
     for name in re.findall(r"\{([^{}]*)\}", spec.command or ""):
         if name not in spec.parameters:
-            raise _err("command", f"{{{name}}} names no parameter", f"parameters are: {', '.join(spec.parameters)}")
+            raise bad("command", f"{{{name}}} names no parameter", f"parameters are: {', '.join(spec.parameters)}")
 
 
 def _space(spec: SweepSpec) -> float:

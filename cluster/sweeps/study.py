@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from cluster.sweeps.spec import SweepSpec, _err, grid, parameter
+from cluster.sweeps.spec import SweepSpec, bad, grid, parameter
 from cluster.sweeps.storage_url import connect_url, with_env_password
 from trainer.core.errors import UserError
 
@@ -20,7 +20,8 @@ NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs"
 """File systems on which SQLite's locks do not hold across machines."""
 
 
-def _optuna() -> Any:
+def optuna_quiet() -> Any:
+    """Optuna, imported when needed (never to list or render), without its per-trial log lines."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is ours to print
@@ -51,30 +52,30 @@ def check_storage(url: str, sweep_dir: Path) -> None:
     try:
         parsed = make_url(url)
     except ArgumentError:
-        raise _err("storage", f"{url!r} is neither journal nor a database URL",
+        raise bad("storage", f"{url!r} is neither journal nor a database URL",
                    "storage: journal (a file in the sweep folder), or e.g. mysql+pymysql://user:pw@host/db") from None
     if parsed.get_backend_name() == "sqlite":
         db = Path(parsed.database or "").expanduser()
         fs = filesystem(db.parent if db.parent.exists() else sweep_dir)
         if fs in NETWORK_FS or fs.startswith("nfs"):
-            raise _err("storage", f"SQLite on {fs} ({db}): its file locks do not hold across nodes, so workers would "
+            raise bad("storage", f"SQLite on {fs} ({db}): its file locks do not hold across nodes, so workers would "
                        "corrupt or lock the study", "storage: journal (safe on shared storage), or an RDB URL")
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError:
-        raise _err("storage", f"no database driver is known for {parsed.drivername!r}",
+        raise bad("storage", f"no database driver is known for {parsed.drivername!r}",
                    "e.g. mysql+pymysql://user:pw@host/db or postgresql://user:pw@host/db, or storage: journal") from None
     try:
         dialect.import_dbapi()
     except ImportError as exc:
-        raise _err("storage", f"the driver for {parsed.drivername} is not installed ({exc})",
+        raise bad("storage", f"the driver for {parsed.drivername} is not installed ({exc})",
                    f"pip install {getattr(exc, 'name', None) or 'the driver'} into this venv") from None
 
 
 def storage(url: str, sweep_dir: Path) -> Any:
     """The study's storage object: a journal file in ``sweep_dir``, or the RDB URL as Optuna takes it."""
     if url != "journal":
-        return _optuna().storages.RDBStorage(url)
+        return optuna_quiet().storages.RDBStorage(url)
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
@@ -83,7 +84,7 @@ def storage(url: str, sweep_dir: Path) -> Any:
 
 def space(spec: SweepSpec) -> dict[str, Any]:
     """The parameters as Optuna distributions, in the spec's order."""
-    d = _optuna().distributions
+    d = optuna_quiet().distributions
     out: dict[str, Any] = {}
     for key, value in spec.parameters.items():
         p = parameter(spec, key, value)
@@ -98,7 +99,7 @@ def space(spec: SweepSpec) -> dict[str, Any]:
 
 def sampler(spec: SweepSpec, seed: int) -> Any:
     """The spec's sampler with ``sampler_args``; a bad argument is the user's error, named."""
-    samplers = _optuna().samplers
+    samplers = optuna_quiet().samplers
     kind = {"tpe": samplers.TPESampler, "random": samplers.RandomSampler, "grid": samplers.RandomSampler,
             "cmaes": samplers.CmaEsSampler}[spec.method]
     return _build("sampler_args", kind, spec.sampler_args, seed=seed)
@@ -106,7 +107,7 @@ def sampler(spec: SweepSpec, seed: int) -> Any:
 
 def pruner(spec: SweepSpec) -> Any:
     """The spec's pruner with ``pruner_args`` (none: Optuna's NopPruner)."""
-    pruners = _optuna().pruners
+    pruners = optuna_quiet().pruners
     kind = {"none": pruners.NopPruner, "median": pruners.MedianPruner, "asha": pruners.SuccessiveHalvingPruner,
             "hyperband": pruners.HyperbandPruner}[spec.pruner]
     return _build("pruner_args", kind, spec.pruner_args)
@@ -114,11 +115,11 @@ def pruner(spec: SweepSpec) -> Any:
 
 def _build(field: str, kind: Any, args: dict[str, Any], **fixed: Any) -> Any:
     if "seed" in args:
-        raise _err(f"{field}.seed", "is the sweep's seed", "set seed: at the top of the spec")
+        raise bad(f"{field}.seed", "is the sweep's seed", "set seed: at the top of the spec")
     try:
         return kind(**args, **fixed)
     except (TypeError, ValueError) as exc:
-        raise _err(field, f"{kind.__name__} refused {args}: {exc}", "see Optuna's documentation of "
+        raise bad(field, f"{kind.__name__} refused {args}: {exc}", "see Optuna's documentation of "
                    f"{kind.__name__} for its arguments") from None
 
 
@@ -139,13 +140,13 @@ class Trials:
 
     def live(self, number: int) -> Any:
         """Trial ``number`` as a running optuna Trial, to report to and ask about pruning."""
-        return _optuna().trial.Trial(self.study, self._id(number))
+        return optuna_quiet().trial.Trial(self.study, self._id(number))
 
     def set_attr(self, number: int, key: str, value: Any) -> None:
         self.storage.set_trial_user_attr(self._id(number), key, value)
 
     def fail(self, number: int) -> None:
-        self.storage.set_trial_state_values(self._id(number), _optuna().trial.TrialState.FAIL)
+        self.storage.set_trial_state_values(self._id(number), optuna_quiet().trial.TrialState.FAIL)
 
 
 def open_trials(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Trials:
@@ -153,7 +154,7 @@ def open_trials(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Trial
     seeded by ``seed``."""
     spec = SweepSpec(**record["spec"])
     store = storage(connect_url(spec.storage, sweep_dir), sweep_dir)
-    study = _optuna().create_study(storage=store, study_name=record["study"], sampler=sampler(spec, seed),
+    study = optuna_quiet().create_study(storage=store, study_name=record["study"], sampler=sampler(spec, seed),
                                    pruner=pruner(spec), load_if_exists=True,
                                    direction="maximize" if spec.mode == "max" else "minimize")
     return Trials(study, store)
@@ -179,7 +180,7 @@ def plan(spec: SweepSpec, taken: list[dict[str, Any]], count: int | None) -> lis
     if spec.method == "grid":
         left = [c for c in grid(spec) if key(c) not in seen]
         return left[:count] if count is not None else left
-    optuna, dists, out = _optuna(), space(spec), []
+    optuna, dists, out = optuna_quiet(), space(spec), []
     draws = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=spec.seed))
     for _ in range(1000 * (count or 0) + len(taken)):
         t = draws.ask(dists)
@@ -189,7 +190,7 @@ def plan(spec: SweepSpec, taken: list[dict[str, Any]], count: int | None) -> lis
             out.append(t.params)
         if len(out) == count:
             return out
-    raise _err("trials", f"drew only {len(out)} new distinct trials of {count}", "use fewer trials, or widen the ranges")
+    raise bad("trials", f"drew only {len(out)} new distinct trials of {count}", "use fewer trials, or widen the ranges")
 
 
 def check(spec: SweepSpec, sweep_dir: Path) -> None:

@@ -27,7 +27,7 @@ from cluster.profile import Profile, load_profile
 from cluster.sweeps import storage_url
 from cluster.sweeps import study as studies
 from cluster.sweeps.script import worker_script
-from cluster.sweeps.spec import SweepSpec, _err, _kv, load_spec, parameter, trial_args
+from cluster.sweeps.spec import SweepSpec, bad, load_spec, overrides_text, parameter, trial_args
 from cluster.sweeps.status import finish, read_sweep
 from cluster.sweeps.trials import columns, show
 from trainer.core.errors import UserError
@@ -57,7 +57,7 @@ def check_trials(spec: SweepSpec, trials: list[dict[str, Any]], sweep_dir: Path,
     try:
         load_train_config(spec.args)
     except UserError as err:
-        raise _err("args", f"{err.field}: {err.message}", err.hint) from None
+        raise bad("args", f"{err.field}: {err.message}", err.hint) from None
     seen: set[tuple[str, ...]] = set()
     for i, values in enumerate(trials):
         args = tuple(trial_args(spec, values, sweep_dir.name, 0))
@@ -70,10 +70,10 @@ def check_trials(spec: SweepSpec, trials: list[dict[str, Any]], sweep_dir: Path,
                 check_worlds(cfg.data.global_batch_size, worlds, cfg.data.batch_size)
         except UserError as err:
             if err.field in spec.parameters:
-                raise _err(f"parameters.{err.field}", f"{err.message} (with {_kv(values)})", err.hint) from None
-            raise _err(f"trials.{i}", f"{err.field}: {err.message} (with {_kv(values)})", err.hint) from None
+                raise bad(f"parameters.{err.field}", f"{err.message} (with {overrides_text(values)})", err.hint) from None
+            raise bad(f"trials.{i}", f"{err.field}: {err.message} (with {overrides_text(values)})", err.hint) from None
         if spec.pruner != "none" and not cfg.train.eval_every and cfg.train.epochs < 2 and not cfg.train.max_steps:
-            raise _err("pruner", "has no intermediate values to judge: the trainer evaluates once, at the end "
+            raise bad("pruner", "has no intermediate values to judge: the trainer evaluates once, at the end "
                        "(train.epochs=1, train.eval_every=0)", "set train.eval_every=N in args, or pruner: none")
 
 
@@ -186,7 +186,7 @@ def _check_resume(spec: SweepSpec, record: dict[str, Any], resume: str) -> None:
     new = {**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)}
     for key in ("parameters", "metric", "mode", "command", "args", "storage"):
         if old[key] != new[key]:
-            raise _err(key, f"differs from the study's in {resume} ({old[key]!r}): its trials would not compare",
+            raise bad(key, f"differs from the study's in {resume} ({old[key]!r}): its trials would not compare",
                        "resume with the spec the sweep was made from, changing trials, method, pruner or max_parallel")
 
 

@@ -215,7 +215,7 @@ def end(sweep_dir: Path, worker: int, rc: int) -> int:
     state, value, why = _outcome(run_dir, rc, spec.metric)
     trials = studies.open_trials(record, sweep_dir)
     study = trials.study
-    TrialState = studies._optuna().trial.TrialState
+    TrialState = studies.optuna_quiet().trial.TrialState
     try:
         if state == "COMPLETE":
             study.tell(number, value)
