@@ -65,7 +65,7 @@ def run_trainer(args: list[str], cwd: Path, nproc: int = 1, env: dict[str, str] 
                 timeout: float = 240, script: Path | None = None,
                 torchrun: bool = False) -> subprocess.CompletedProcess[str]:
     """``python -m trainer args`` (or SCRIPT) in ``nproc`` processes started the way srun starts them (warm: see
-    tests/warm.py); ``torchrun=True``: under ``torchrun --standalone`` and its agent instead, in new interpreters."""
+    tests/warm/); ``torchrun=True``: under ``torchrun --standalone`` and its agent instead, in new interpreters."""
     target = [str(script)] if script else ["-m", "trainer"]
     if torchrun:
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -171,7 +171,7 @@ def spawn_ranks(args: list[str], cwd: Path, world: int = 2, env: dict[str, str] 
                 module: str = "trainer", script: Path | None = None, split: bool = False,
                 nodes: list[str] | None = None) -> list[Any]:
     """Start ``world`` trainer processes the way srun does: one process per rank, no agent in between (warm: see
-    tests/warm.py). Each rank's stderr goes to its stdout unless ``split``. ``nodes``: rank r runs as the only
+    tests/warm/). Each rank's stderr goes to its stdout unless ``split``. ``nodes``: rank r runs as the only
     process of Slurm node ``nodes[r]`` (SLURMD_NODENAME), as if the ranks ran on that many machines.
 
     Each rank leads its own process group, so a test can signal a rank together with its

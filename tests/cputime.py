@@ -1,5 +1,5 @@
 """``TRAINER_TEST_CPU=1 make test``: each test's CPU seconds (its own, its processes', and those forked for it by
-tests/warm.py's server), the costliest listed at the end. On 2 cores the suite's wall time follows its CPU time."""
+the warm server, tests/warm/), the costliest listed at the end. On 2 cores the suite's wall time follows its CPU time."""
 
 from __future__ import annotations
 

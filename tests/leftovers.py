@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PR_SET_CHILD_SUBREAPER = 36
-KEPT: set[int] = set()  # long-lived helpers of the whole session (tests/warm.py's server), not a test's leftovers
+KEPT: set[int] = set()  # long-lived helpers of the whole session (the warm server, tests/warm/), not a test's leftovers
 
 
 def keep(pid: int) -> None:

@@ -106,6 +106,21 @@ def test_dockerfile_passes_hadolint() -> None:
     assert "--no-deps" in text and "USER " in text and "ENTRYPOINT" in text
 
 
+def _name(spec: str) -> str:
+    return re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower()
+
+
+def test_the_image_installs_pyprojects_bounds() -> None:
+    """What the Dockerfile installs beside the base image's torch carries pyproject.toml's bound for it, and the
+    readers of sharded data sets (trainer.data) are among it."""
+    block = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert block is not None
+    bounds = {_name(spec): spec for spec in re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)}
+    installed = re.findall(r'"([A-Za-z0-9_.-]+[<>=!~][^"]*)"', (ROOT / "containers" / "Dockerfile").read_text())
+    assert {spec: bounds.get(_name(spec)) for spec in installed} == {spec: spec for spec in installed}
+    assert {"submitit", "webdataset", "pyarrow"} <= {_name(spec) for spec in installed}
+
+
 def parse_def(text: str) -> tuple[dict[str, str], dict[str, str]]:
     """Header keywords and %sections of an Apptainer definition file."""
     header: dict[str, str] = {}

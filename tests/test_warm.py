@@ -1,4 +1,4 @@
-"""tests/warm.py: a forked process ends, prints and reacts as the same command in a new interpreter does."""
+"""tests/warm/: a forked process ends, prints and reacts as the same command in a new interpreter does."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import pytest
 from . import warm
 from .conftest import clean_env
 
+forked_only = pytest.mark.skipif(os.environ.get("TRAINER_TEST_COLD") == "1",
+                                 reason="TRAINER_TEST_COLD=1: every process starts a new interpreter, none is forked")
+
 SCRIPTS = {
     "exit code": "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)",
     "exit message": "import sys; sys.exit('bad thing')",
@@ -27,9 +30,13 @@ SCRIPTS = {
                            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()"),
     "a child of its own": ("import subprocess, sys\nr = subprocess.run([sys.executable, '-m', 'json.tool', '--help'], "
                            "capture_output=True, text=True)\nprint(r.returncode, r.stdout.split()[0])"),
+    "a child killed by SIGKILL": ("import os, signal, subprocess, sys\nif sys.argv[1:] == ['child']:\n"
+                                  "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                                  "print(subprocess.run([sys.executable, __file__, 'child']).returncode)"),
 }
 
 
+@forked_only
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_a_forked_run_matches_a_new_interpreter(name: str, tmp_path: Path) -> None:
     script = tmp_path / "script.py"
@@ -42,6 +49,7 @@ def test_a_forked_run_matches_a_new_interpreter(name: str, tmp_path: Path) -> No
     assert (forked.returncode, forked.stdout, forked.stderr) == (new.returncode, new.stdout, new.stderr)
 
 
+@forked_only
 def test_a_module_run_gets_its_cwd_first_on_the_path(tmp_path: Path) -> None:
     (tmp_path / "mod.py").write_text("import sys; print(sys.argv, sys.path[0])")
     argv = [sys.executable, "-m", "mod", "x"]
@@ -50,6 +58,7 @@ def test_a_module_run_gets_its_cwd_first_on_the_path(tmp_path: Path) -> None:
     assert forked.stdout == new.stdout and str(tmp_path) in forked.stdout
 
 
+@forked_only
 def test_signals_reach_it_and_its_stand_in_takes_its_child_along(tmp_path: Path) -> None:
     """SIGTERM to a child started through the stand-in interpreter reaches the child; SIGKILL to the stand-in ends the
     child too, as killing the process its parent knows would."""
@@ -87,6 +96,7 @@ def test_what_a_fork_cannot_give_gets_a_new_interpreter(tmp_path: Path) -> None:
         proc.wait()
 
 
+@forked_only
 def test_a_timeout_kills_its_session_and_keeps_what_was_read(tmp_path: Path) -> None:
     """A descendant holding the output pipe does not keep ``run`` waiting past its timeout."""
     script = tmp_path / "holds.py"
@@ -103,3 +113,13 @@ def test_a_timeout_kills_its_session_and_keeps_what_was_read(tmp_path: Path) -> 
     assert expired.value.output == "begun\n"
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.communicate(timeout=30)[0] == "begun\n" and proc.returncode == -signal.SIGKILL
+
+
+def test_the_harness_is_a_tool_of_its_own_on_the_standard_library() -> None:
+    """Importing the harness, its server (before it preloads) and the stand-in loads no project or third-party
+    module: what it forks is the project's code, unmixed with its own."""
+    code = ("import sys, tests.warm, tests.warm.server, tests.warm.shim\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'trainer', 'cluster', 'torch', 'numpy', 'pytest'}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr

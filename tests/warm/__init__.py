@@ -1,9 +1,12 @@
 """Warm processes: a test's ``python -m trainer …`` forked from a process that has already imported torch.
 
+A small tool of the tests, on the standard library alone: this module is what tests use (``Popen``, ``run``,
+``children_cpu``), ``server.py`` the server it starts, ``shim.py`` the stand-in interpreter of the forked processes.
+
 Of a small test run's ~4 CPU-seconds, ~3 are a new interpreter importing torch (and torch._dynamo, which DDP and the
 optimizers import), and the suite starts a few hundred such processes on 2 cores. Here a server per pytest process
 imports them once and forks each requested process from that state, sharing the import copy-on-write. In a forked
-child ``sys.executable`` is a stand-in (SHIM) that has the server fork the Python processes it starts too (the
+child ``sys.executable`` is a stand-in (shim.py) that has the server fork the Python processes it starts too (the
 end-of-run report).
 
 What a test gets is still a real process running the real, unmodified code with a real ``torch.distributed``: its own
@@ -40,13 +43,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tests.warm_server import LOAD_TIME, PER_PROCESS, SHIM
+from tests.warm.shim import LOAD_TIME, customized, forkable, load_time
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = Path(__file__).with_name("shim.py")
 
 
 def _load_time(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME) and k not in PER_PROCESS))
+    return tuple(sorted(load_time(env).items()))
 
 
 class _Server:
@@ -57,7 +61,7 @@ class _Server:
         self.path = os.path.join(self.folder, "sock")
         env = {k: v for k, v in os.environ.items() if not k.startswith(LOAD_TIME)}
         env.update(fixed, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "tests.warm_server", self.path], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "tests.warm.server", self.path], cwd=ROOT, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                      start_new_session=True)
         from tests import leftovers
@@ -69,10 +73,11 @@ class _Server:
         if not ready:
             raise RuntimeError(f"warm server did not start (exit {self.proc.wait()})")
         self.base_path: list[str] = json.loads(ready)
+        # The stand-in: shim.py as it is, run by this interpreter without site (-IS), its settings beside it.
         self.shim = os.path.join(self.folder, "python")
-        Path(self.shim).write_text(SHIM.format(python=sys.executable, sock=self.path, base=self.base_path,
-                                               fixed=dict(fixed), load_time=LOAD_TIME,
-                                               per_process=sorted(PER_PROCESS)))
+        Path(self.shim + ".json").write_text(json.dumps({"python": sys.executable, "socket": self.path,
+                                                         "base_path": self.base_path, "fixed": dict(fixed)}))
+        Path(self.shim).write_text(f"#!{sys.executable} -IS\n" + SHIM.read_text())
         os.chmod(self.shim, 0o755)
 
     def stop(self) -> None:
@@ -88,13 +93,9 @@ MAX_SERVERS = 3
 
 
 def _server_for(argv: list[str], env: dict[str, str]) -> _Server | None:
-    if os.environ.get("TRAINER_TEST_COLD") == "1" or len(argv) < 2 or argv[0] != sys.executable:
+    if os.environ.get("TRAINER_TEST_COLD") == "1" or argv[:1] != [sys.executable] or not forkable(argv[1:]):
         return None
-    if argv[1] == "-m" and len(argv) < 3 or argv[1].startswith("-") and argv[1] != "-m":
-        return None
-    # A sitecustomize on the path runs as the interpreter starts (tests/audit's write log): before any preload.
-    if any(Path(p, f"{name}.py").exists() for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
-           for name in ("sitecustomize", "usercustomize")):
+    if customized(env):  # it runs as the interpreter starts (tests/audit's write log): before any preload
         return None
     key = _load_time(env)
     server = _servers.get(key)
@@ -272,7 +273,8 @@ def Popen(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None
           stdout: Any = None, stderr: Any = None, text: bool = False, start_new_session: bool = False,
           **other: Any) -> Any:
     """``subprocess.Popen(args, …)``, forked warm when ``args`` is ``[sys.executable, "-m", mod | script, …]``
-    (the child always leads its own session, as with ``start_new_session=True``)."""
+    (the child always leads its own session, as with ``start_new_session=True``, in a new interpreter too: a test
+    then signals and kills the same processes either way)."""
     env = dict(os.environ if env is None else env)
     args = [str(a) for a in args]
     plain = all(h is None or h in (subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT) or hasattr(h, "fileno")
@@ -284,7 +286,7 @@ def Popen(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None
         except (OSError, RuntimeError) as exc:  # the server died before it forked: the next call starts another
             print(f"warm: {exc}; a new interpreter instead", file=sys.stderr)
     return subprocess.Popen(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                            start_new_session=start_new_session, **other)
+                            start_new_session=True, **other)
 
 
 def run(args: list[str], *, cwd: Any = None, env: dict[str, str] | None = None, timeout: float | None = None,

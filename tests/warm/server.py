@@ -1,8 +1,9 @@
-"""The server behind tests/warm.py: preloads torch once, then forks each requested process and reports how it ended.
+"""The server behind tests/warm: preloads torch once, then forks each requested process and reports how it ended.
 
-``python -m tests.warm_server SOCKET`` (tests/warm.py starts one per pytest process and load-time environment). It
-imports the standard library only until ``serve`` preloads; a forked child leaves ``serve`` with its request and runs
-it at the top of this module, so nothing of the server is on its stack.
+``python -m tests.warm.server SOCKET`` (tests/warm/__init__.py starts one per pytest process and load-time
+environment). It imports the standard library only until ``serve`` preloads; a forked child leaves ``serve`` with its
+request and runs it at the top of this module, so nothing of the server is on its stack. A request comes from the
+harness or from the stand-in interpreter (tests/warm/shim.py), a forked process's ``sys.executable``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ from typing import Any
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.checkpoint", "torch.utils.data", "numpy", "omegaconf", "yaml", "xxhash", "hostlist",
            "tqdm", "matplotlib", "matplotlib.pyplot")
-# Read by the interpreter or by a preloaded library when it loads: a process that sets them differently needs its own.
-LOAD_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA", "TRITON", "MALLOC", "MPL",
-             "LANG", "LC_")
-PER_PROCESS = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+# The environment variables these read as they load (which a server's processes share): tests/warm/shim.py LOAD_TIME.
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -144,7 +142,7 @@ def _fork(conn: socket.socket, owners: dict[int, socket.socket],
         _kill(pid)
         return None
     owners[pid] = conn
-    if spec.get("tie"):  # its stand-in (SHIM) is the process its parent knows: dying, it takes the child
+    if spec.get("tie"):  # its stand-in (shim.py) is the process its parent knows: dying, it takes the child
         sel.register(conn, selectors.EVENT_READ, pid)
     return None
 
@@ -160,7 +158,7 @@ def become(spec: dict[str, Any], fds: list[int]) -> None:
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     os.chdir(spec["cwd"])
-    sys.executable = spec["python"]  # the processes it starts with sys.executable are forked warm too (SHIM)
+    sys.executable = spec["python"]  # the processes it starts with sys.executable are forked warm too (shim.py)
     os.environ.clear()
     os.environ.update(spec["env"])
     extra = [p for p in spec["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -200,53 +198,6 @@ def end(code: int, interrupted: bool = False) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code & 0xFF)
-
-
-# ``sys.executable`` in a forked child: a stand-in interpreter (stdlib only, no site: ~15 ms) that has the server fork
-# ``-m module``/``script`` runs, relays signals to the child and ends as it ends; anything else runs the real one.
-SHIM = """#!{python} -IS
-import json, os, signal, socket, sys
-SOCK, PYTHON, BASE, FIXED = {sock!r}, {python!r}, {base!r}, {fixed!r}
-argv = sys.argv[1:]
-plain = argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-"))
-same = all(os.environ.get(k) == v for k, v in FIXED.items()) and not any(
-    k.startswith({load_time!r}) and k not in FIXED and k not in {per_process!r} for k in os.environ) and not any(
-    os.path.exists(os.path.join(p, n)) for p in os.environ.get("PYTHONPATH", "").split(":") if p
-    for n in ("sitecustomize.py", "usercustomize.py"))
-conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-try:
-    conn.connect(SOCK) if plain and same else None
-except OSError:
-    plain = False
-if not (plain and same):
-    os.execv(PYTHON, [PYTHON, *argv])
-spec = json.dumps({{"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "base_path": BASE,
-                   "python": sys.argv[0], "tie": True}}).encode()
-socket.send_fds(conn, [str(len(spec)).encode() + b"\\n" + spec], [0, 1, 2])
-got = b""
-def line():
-    global got
-    while b"\\n" not in got:
-        chunk = conn.recv(64)
-        if not chunk:
-            sys.exit("warm: the server is gone")
-        got += chunk
-    head, _, got = got.partition(b"\\n")
-    return int(head)
-pid, early = 0, []
-def relay(s, _):
-    os.kill(pid, s) if pid else early.append(s)
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(sig, relay)
-pid = line()
-for s in early:
-    os.kill(pid, s)
-code = line()
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
 
 
 if __name__ == "__main__":
