@@ -160,14 +160,16 @@ def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, ki
     audit = ["checkpoint.poll_steps=5", "audit.straggler_steps=20", f"run.dir={run}"]
     env = {"RUN_DIR": str(run), **faults(slow_rank=1, slow_from_step=20, slow_factor=3)}
     if kind == "fsdp":
-        args = [*SMALL, "train.epochs=4", "dist.strategy=fsdp", *audit]
+        args = [*SMALL, "train.epochs=5", "dist.strategy=fsdp", *audit]  # 80 steps: room for one restart
         ranks = spawn_ranks(args, tmp_path, 2, env, nodes=NODES[:2])
     else:
-        args = ["--max-steps", "60", "--eval-every", "60", "--max-bytes", "60000", "--batch-size", "8",
+        args = ["--max-steps", "80", "--eval-every", "80", "--max-bytes", "60000", "--batch-size", "8",
                 "tracking.mode=disabled", *audit]
         ranks = spawn_ranks(args, tmp_path, 2, env, script=CHAR_LM, nodes=NODES[:2])
     ok(wait_ranks(ranks, args, 240))
     (s,) = events(run, "straggler")
-    # A busy machine may stretch a window just before the slowdown past the ratio: the stretch then starts there
-    # and goes on through the slowdown (FSDP times only the short optimizer steps, so it sees such noise most).
-    assert (s["rank"], s["node"]) == (1, "n2") and 11 <= s["since"] <= 26 and s["step"] <= 50, s
+    # The rule, not a time: named 20 steps into its stretch. A busy machine's noise may start the stretch a window or
+    # two before the slowdown, or break it once (the other rank stalled too) so that it starts again later; FSDP
+    # times only the short optimizer steps, so it sees such noise most (CI saw a stretch start at 17, and at 33). A
+    # weak window (above 1.15, below 1.3) lowers the average, and naming waits a poll or two.
+    assert (s["rank"], s["node"]) == (1, "n2") and s["since"] >= 11 and 20 <= s["step"] - s["since"] + 1 <= 35, s
