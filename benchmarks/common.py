@@ -160,13 +160,14 @@ def dev_cluster_env(version: str = "") -> dict[str, str] | None:
 def processes() -> Iterator[tuple[int, dict[str, str], list[str]]]:
     """Every process this user may read: (pid, its environment, its argv), to fault one from outside."""
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():  # /proc/sys, /proc/self …: not processes to read
+            continue
         try:
             env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
             argv = (proc / "cmdline").read_text().split("\0")
         except (OSError, ValueError):
             continue
-        if proc.name.isdigit():
-            yield int(proc.name), env, argv
+        yield int(proc.name), env, argv
 
 
 def standalone(name: str, measure: Callable[[int, Path], dict[str, Any]], section: Callable[[dict[str, Any]], list[str]],

@@ -124,7 +124,6 @@ def sbatch_script(p: Profile, args: list[str], command: Command | None = None) -
                          run_dir=run_dir, command=command)
 
 
-
 def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None, command: bool = False) -> Any:
     """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given; ``args``:
     the training overrides, which the optional preflight doctor checks with)."""

@@ -68,7 +68,7 @@ def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
     """Submit (or with ``dry_run`` print the script of) one job; with ``wait``, block and report its result."""
     p = s.profile
     if s.command is None:
-        _check_trainer_args(list(s.args), launcher.warned_with(p), p)
+        _check_trainer_args(s.overrides, launcher.warned_with(p), p)
     launcher.check(s)
     if dry_run:
         print(launcher.script(s), end="")
@@ -91,7 +91,8 @@ def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
 
 
 def _check_trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
-    """Bad overrides fail here, not on the cluster. The job's warning signal is the profile's, not a trainer key."""
+    """Bad overrides (``run.dir`` taken out) fail here, not on the cluster. The job's warning signal is the profile's,
+    not a trainer key."""
     for arg in args:
         key = arg.partition("=")[0]
         if key == "checkpoint.signal":
@@ -102,7 +103,7 @@ def _check_trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
             raise UserError(key, f"is no longer a key ({LEGACY[key][1]})", f"leave {arg!r} out")
     from trainer.builtin.build import checked  # torch: never loaded to list or render
 
-    cfg, params = checked([a for a in args if not a.startswith("run.dir=")])
+    cfg, params = checked(args)
     if cfg.data.global_batch_size:  # now, not after the queue wait: every world size the job may start with
         check_worlds(cfg.data.global_batch_size, p.world_sizes(), cfg.data.batch_size)
     check_snapshot_room(p, cfg, params)

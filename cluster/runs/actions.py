@@ -82,7 +82,7 @@ def resubmit(ref: str, overrides: list[str], sets: list[str]) -> int:
     for item in [*record.sets, *sets]:  # the new --set wins
         key, _, value = item.partition("=")
         profile_sets[key] = value
-    p = load_profile(str(record.cluster or record.profile or "dev"), profile_sets)
+    p = load_profile(record.cluster or record.profile or "dev", profile_sets)
     args = list(record.args)  # the trainer's overrides, or the command's words (a module's arguments)
     origin = Origin(record.cluster, (*record.sets, *sets), record.nodes_arg, resubmit_of=record.job_id)
     launcher = pick(record.launcher)

@@ -133,7 +133,7 @@ def show(ref: str) -> int:
     what = record.command or record.args
     print(f"{kind} {record.name}  job {record.job_id}  {state}" + (f"  on {nodes}" if nodes else ""))
     print(f"submitted {_when(record.submitted_at)} ({record.launcher}, profile {record.profile or '?'}"
-          f", git {str(record.git or '?')[:10]}){' by hand' if record.by_hand else ''}")
+          f", git {(record.git or '?')[:10]}){' by hand' if record.by_hand else ''}")
     print(f"runs:   {' '.join(map(str, what)) or '(the built-in trainer, defaults)'}")
     print(f"folder: {run_dir}")
     for line in progress_lines(events, running=state == "running"):

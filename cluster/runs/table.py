@@ -196,14 +196,14 @@ def rows(slurm: Slurm | None = None, trials: bool = False) -> list[Row]:
         age = now - (r.submitted_at or now)
         if r.kind == "sweep":
             state, attempts, progress = sweep_row(r, slurm)
-            out.append(Row(str(r.name), r.job_id, "sweep", state, attempts, "", progress, "", age,
+            out.append(Row(r.name, r.job_id, "sweep", state, attempts, "", progress, "", age,
                            str(run_dir)))
             continue
         events = list(read_events(run_dir))
         state, attempts, nodes = (trial_state(r, slurm, events) if r.kind == "trial"
                                   else job_state(r, slurm, events, r.job_id in superseded))
         progress, metric = progress_of(events)
-        out.append(Row(str(r.name), r.job_id, str(r.kind), state, attempts, nodes,
+        out.append(Row(r.name, r.job_id, r.kind, state, attempts, nodes,
                        progress, metric, age, str(run_dir)))
     return out
 
