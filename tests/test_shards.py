@@ -149,6 +149,34 @@ def test_a_shard_truncated_mid_run_is_a_shard_error_naming_it_even_from_a_worker
     shutdown_workers(loader.loader)  # as the session does at its end
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_does_not_decode_names_its_shard_and_key(tmp_path: Path, workers: int) -> None:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for i in range(8):
+            add(tar, f"s{i}.png", b"not an image" if i == 5 else _png())
+            add(tar, f"s{i}.cls", b"1")
+    ds = Shards(_file(tmp_path / "a.tar", out.getvalue()), transform=key)
+    loader = Loader(ds, env_of(0, 1), 4, 0, None, num_workers=workers, persistent_workers=workers > 0)
+    with pytest.raises(ShardError, match=r"cannot read shard '.*a.tar' at sample 's5', byte \d+: cannot decode it: "
+                                         r"UnidentifiedImageError"):
+        for _ in loader.forever():
+            pass
+    shutdown_workers(loader.loader)
+
+
+def key(sample: dict[str, object]) -> object:
+    return sample["__key__"]
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def test_a_missing_shard_folder_exits_2_before_training(tmp_path: Path) -> None:
     proc = run_trainer(["data.name=shards", f"data.root={tmp_path / 'none'}", "tracking.mode=disabled"], tmp_path)
     ok(proc, 2)
@@ -227,3 +255,16 @@ def test_a_resume_on_another_split_with_less_than_a_step_left_goes_on_in_the_nex
     steps = _consume(ds, [(3, 0, 9), (1, 0, 1), (3, 0, 2)], None)
     order = ds.order(7, 1)
     assert steps[-2:] == [[ds[order.locate(p)] for p in range(s, s + 12)] for s in (0, 12)]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "jsonl"])
+def test_loader_workers_forked_after_the_parent_read_a_shard_read_their_own_samples(tmp_path: Path, fmt: str) -> None:
+    """A resume or a first evaluation reads samples in the training process before DataLoader forks its workers: the
+    workers must not share the parent's open file (one offset for all: a worker's seek moves the other's read)."""
+    from torch.utils.data import DataLoader
+
+    ds = Shards(write(tmp_path / "s", fmt, [400, 400]))
+    expected = [ds[i] for i in range(len(ds))]  # the parent opened both files
+    for _ in range(3):
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        assert [row for row in loader] == expected

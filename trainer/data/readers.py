@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import tarfile
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -191,10 +192,9 @@ class Tar:
         key, members = table.sample(j)
         sample: dict[str, Any] = {"__key__": key}
         try:
-            f = cache.get(index.path) or cache.setdefault(index.path, open(index.path, "rb"))  # noqa: SIM115
+            fd = _fd(cache, index.path)
             for ext, offset, size in members:
-                f.seek(offset)
-                sample[ext] = f.read(size)
+                sample[ext] = os.pread(fd, size, offset)  # no shared file offset to move under another reader
                 if len(sample[ext]) != size:
                     raise OSError(f"{size - len(sample[ext])} bytes missing (truncated file)")
         except OSError as exc:
@@ -205,7 +205,12 @@ class Tar:
             import webdataset.autodecode as wds
 
             cache["decoder"] = wds.Decoder([wds.imagehandler(self.image), wds.basichandlers])
-        return cache["decoder"](sample)
+        try:
+            return cache["decoder"](sample)
+        except Exception as exc:  # noqa: BLE001 - webdataset wraps every decoder's error; name the sample instead
+            cause = exc.__cause__ or exc
+            raise _fail(index.path, f"at sample {key!r}, byte {members[0][1]}",
+                        f"cannot decode it: {type(cause).__name__}: {cause}") from None
 
 
 class Jsonl:
@@ -220,7 +225,7 @@ class Jsonl:
                     if line.strip():
                         offsets.append(place)
                     place += len(line)
-                first = json.loads(_line_at(f, offsets[0])) if offsets else {}
+                first = json.loads(_line_at(f.fileno(), offsets[0])) if offsets else {}
         except (OSError, ValueError) as exc:
             raise _fail(str(path), "at line 1" if offsets else "", exc) from None
         import numpy as np
@@ -230,15 +235,30 @@ class Jsonl:
 
     def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
         try:
-            f = cache.get(index.path) or cache.setdefault(index.path, open(index.path, "rb"))  # noqa: SIM115
-            return json.loads(_line_at(f, int(index.starts[j])))
+            return json.loads(_line_at(_fd(cache, index.path), int(index.starts[j])))
         except (OSError, ValueError) as exc:
             raise _fail(index.path, f"at row {j} (byte {index.starts[j]})", exc) from None
 
 
-def _line_at(f: Any, offset: int) -> bytes:
-    f.seek(offset)
-    return f.readline()
+def _fd(cache: dict[str, Any], path: str) -> int:
+    """This process's descriptor of ``path``, read with pread only (DataLoader workers may inherit it by fork)."""
+    fd = cache.get(path)
+    if fd is None:
+        fd = cache[path] = os.open(path, os.O_RDONLY)
+    return int(fd)
+
+
+def _line_at(fd: int, offset: int, chunk: int = 4096) -> bytes:
+    """The line that starts at ``offset``."""
+    parts: list[bytes] = []
+    while True:
+        part = os.pread(fd, chunk, offset)
+        end = part.find(b"\n")
+        if end >= 0 or not part:
+            return b"".join([*parts, part[: end + 1] if end >= 0 else part])
+        parts.append(part)
+        offset += len(part)
+        chunk *= 2
 
 
 class Parquet:
