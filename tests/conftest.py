@@ -46,9 +46,12 @@ SMALL = [
 ]
 
 
-def faults(**values: object) -> dict[str, str]:
-    """The environment that injects test faults (trainer/testing/faults.py), e.g. ``faults(preempt_at_step=3)``."""
-    return {"TRAINER_FAULTS": " ".join(f"{k}={v}" for k, v in values.items())}
+def faults(at: dict[str, dict[str, object]] | None = None, **values: object) -> dict[str, str]:
+    """The environment that injects test faults (trainer/testing/faults.py), e.g. ``faults(preempt_at_step=3)``;
+    ``at={"0": {"kill_at_step": 4}, "1": {...}}`` gives attempts of a Slurm job faults of their own."""
+    words = [f"{k}={v}" for k, v in values.items()]
+    words += [f"{attempt}:{k}={v}" for attempt, more in (at or {}).items() for k, v in more.items()]
+    return {"TRAINER_FAULTS": " ".join(words)}
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """Faults the tests inject from outside the public config: ``TRAINER_FAULTS="preempt_at_step=5 step_delay_s=0.1"``.
 
 Read once per process from the environment (``trainer.core.env.fault_spec``), so they never appear in ``--help``,
-a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no-op.
+a saved ``config.yaml``, a checkpoint or a W&B config. Unset, every hook is a no-op. A word ``ATTEMPT:name=value``
+applies only in that attempt of a Slurm job (``0``, ``0.1`` for the first restart inside the allocation, ``1`` after
+a requeue): ``"0:kill_at_step=4 0.1:hang_at_step=3 1:preempt_at_step=2"`` gives each attempt its own fault.
 """
 
 from __future__ import annotations
@@ -129,13 +131,20 @@ def _stuck_for_test() -> None:
         time.sleep(1)
 
 
-def load(spec: str | None = None) -> Faults:
-    """Parse ``name=value`` words (from TRAINER_FAULTS when ``spec`` is None)."""
+def load(spec: str | None = None, attempt: str | None = None) -> Faults:
+    """Parse ``name=value`` words (from TRAINER_FAULTS when ``spec`` is None); ``ATTEMPT:name=value`` words only in
+    that attempt (this one's, ``exits.attempt_id()``, when ``attempt`` is None)."""
     spec = fault_spec() if spec is None else spec
+    attempt = attempt_id() if attempt is None else attempt
     known = {f.name: f.type for f in fields(Faults)}
     values: dict[str, float | int | str] = {}
     for word in spec.split():
+        scope, colon, word = word.rpartition(":") if ":" in word.partition("=")[0] else ("", "", word)
         name, _, raw = word.partition("=")
+        if colon and scope != attempt:
+            if name not in known:
+                raise UserError("TRAINER_FAULTS", f"unknown fault {name!r}", f"use one of: {', '.join(known)}")
+            continue
         if name not in known:
             raise UserError("TRAINER_FAULTS", f"unknown fault {name!r}", f"use one of: {', '.join(known)}")
         try:
@@ -143,6 +152,6 @@ def load(spec: str | None = None) -> Faults:
         except ValueError:
             raise UserError("TRAINER_FAULTS", f"{name} needs a number, got {raw!r}", f"e.g. {name}=3") from None
     faults = Faults(**values)  # type: ignore[arg-type]
-    if faults.only_restart >= 0 and str(faults.only_restart) != attempt_id():
+    if faults.only_restart >= 0 and str(faults.only_restart) != attempt:
         return Faults()
     return faults
