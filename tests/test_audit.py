@@ -47,6 +47,26 @@ def test_a_rank_that_stays_slower_than_the_others_is_named_once(windows: list[li
     assert feed(Detector(1.3, 50, NODES, 0), windows) == named
 
 
+MS = 0.001
+# (seconds per step of each rank in each window, the floor, the stragglers named): the floor in absolute time
+FLOOR = [
+    ([[3 * MS, 3 * MS, 3 * MS]] * 2 + [[3 * MS, 4.2 * MS, 3 * MS]] * 8, 0.010, []),  # 1.4× of a 3 ms step: noise
+    ([[3 * MS, 3 * MS, 3 * MS]] * 2 + [[3 * MS, 4.2 * MS, 3 * MS]] * 8, 0.0, [(1, 21, 70)]),  # no floor: named
+    ([[30 * MS] * 3] * 2 + [[30 * MS, 42 * MS, 30 * MS]] * 8, 0.010, [(1, 21, 70)]),  # 12 ms above: named
+    # a stretch goes on through windows above half the floor (6 ms > 5) and ends below it (4 ms)
+    ([[30 * MS] * 3] * 2 + [[30 * MS, 45 * MS, 30 * MS]] * 3 + [[30 * MS, 36 * MS, 30 * MS]] + [[30 * MS, 45 * MS, 30 * MS]] * 2,
+     0.010, [(1, 21, 70)]),
+    ([[30 * MS] * 3] * 2 + [[30 * MS, 45 * MS, 30 * MS]] * 3 + [[30 * MS, 34 * MS, 30 * MS]] + [[30 * MS, 45 * MS, 30 * MS]] * 2,
+     0.010, []),
+]
+
+
+@pytest.mark.parametrize(("windows", "floor", "named"), FLOOR)
+def test_a_slower_rank_must_also_lose_the_floor_in_milliseconds(windows: list[list[float]], floor: float,
+                                                                 named: list[tuple[int, int, int]]) -> None:
+    assert feed(Detector(1.3, 50, NODES, 0, floor), windows) == named
+
+
 def test_a_straggler_carries_its_node_ratio_and_the_nodes_times() -> None:
     d = Detector(1.3, 20, ["a", "a", "b", "b"], 100)
     got = [s for i, t in enumerate([[1, 1, 1, 1]] + [[0.01, 0.01, 0.01, 0.016]] * 3)
@@ -88,28 +108,25 @@ def records(run: Path) -> list[dict[str, Any]]:
 def train(run: Path, world: int, extra: list[str], fault: dict[str, str], timeout: float = 240) -> Any:
     """The built-in trainer on ``world`` gloo ranks, each as the only process of node n<rank+1>."""
     args = [*SMALL, "train.epochs=6", "checkpoint.poll_steps=5", f"run.dir={run}", *extra]
-    env = {"RUN_DIR": str(run), "SLURM_JOB_ID": "7", "TRAINER_CHECKSUM": "1", **fault}
+    env = {"RUN_DIR": str(run), "TRAINER_CHECKSUM": "1", **fault}
     return wait_ranks(spawn_ranks(args, run.parent, world, env, nodes=NODES[:world]), args, timeout)
 
 
-SLOW = ["audit.straggler_steps=20"]
+# The slow rank computes 10× as long from step 10: no machine's noise breaks such a stretch or makes one as long.
+# The rule (how many steps, which windows count) is the detector's, table-tested above; these runs check the claim:
+# the slowed rank is named with its node, by every path that reaches the audit. How often a clean run names anyone
+# is counted by the benchmark (docs/benchmarks.md section 12), not here.
+SLOWED = faults(slow_rank=1, slow_from_step=10, slow_factor=10)
+AUDIT = ["audit.straggler_steps=20", "audit.straggler_floor_ms=1"]
 
 
-def test_a_slowed_rank_is_named_with_its_node_within_50_steps_and_a_clean_run_names_none(tmp_path: Path) -> None:
-    """At the defaults (straggler_ratio 1.3, straggler_steps 50), slowed 4× from step 30: well clear of the noise
-    of a busy test machine (1.5×, the issue's figure, is measured on a quiet one: section 12 of docs/benchmarks.md).
-    On CI's oversubscribed machine the other rank, stalled by the load, once broke a 2.5× stretch so that it could not
-    reach 50 steps before the run's end: the run is 160 steps long, and the rule is checked, not one latency."""
-    ok(train(tmp_path / "clean", 2, [], {}))
-    assert events(tmp_path / "clean", "straggler") == []
+def test_a_slowed_rank_is_named_with_its_node_in_the_event_the_console_and_the_report(tmp_path: Path) -> None:
     run = tmp_path / "slow"
-    proc = ok(train(run, 2, ["train.epochs=10"], faults(slow_rank=1, slow_from_step=30, slow_factor=4)))
-    (s,) = events(run, "straggler")
-    assert (s["rank"], s["node"], s["action"]) == (1, "n2", "report") and s["ratio"] > 1.3, s
-    # Named at the first poll 50 slow steps into its stretch; the stretch starts at the slowdown, or a poll or two
-    # before it when a busy machine's noisy window precedes it (CI saw 26), or later if the load broke it once.
-    assert s["since"] >= 21 and 50 <= s["step"] - s["since"] + 1 <= 50 + 5, s  # steps since … step: the stretch
-    assert set(s["ms"]) == {"n1", "n2"} and s["ms"]["n2"] > 1.3 * s["ms"]["n1"]
+    proc = ok(train(run, 2, ["train.epochs=4", *AUDIT], SLOWED))
+    named = events(run, "straggler")
+    assert [(s["rank"], s["node"], s["action"]) for s in named] == [(1, "n2", "report")], named
+    s = named[0]
+    assert s["ratio"] > 1.3 and s["step"] - s["since"] + 1 >= 20 and s["ms"]["n2"] > s["ms"]["n1"], s
     assert "straggler: rank 1 on n2 computes" in proc.stdout
     assert result_of(run)["outcome"] == "finished"
     assert "straggler in attempt 1: rank 1 on n2 computed" in (run / "report.html").read_text()
@@ -117,7 +134,7 @@ def test_a_slowed_rank_is_named_with_its_node_within_50_steps_and_a_clean_run_na
 
 def test_on_straggler_restart_saves_and_ends_the_attempt_blaming_the_node(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = train(run, 2, [*SLOW, "audit.on_straggler=restart"], faults(slow_rank=1, slow_from_step=30, slow_factor=2.5))
+    proc = train(run, 2, [*AUDIT, "audit.on_straggler=restart"], SLOWED)
     ok(proc, EXIT_AUDIT)
     (s,) = events(run, "straggler")
     ends = records(run)
@@ -157,19 +174,15 @@ def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, ki
     """The char LM example (its own loop through Session), and FSDP, where only the optimizer steps are timed (its
     forwards gather the other ranks' shards)."""
     run = tmp_path / "run"
-    audit = ["checkpoint.poll_steps=5", "audit.straggler_steps=20", f"run.dir={run}"]
-    env = {"RUN_DIR": str(run), **faults(slow_rank=1, slow_from_step=20, slow_factor=3)}
+    audit = ["checkpoint.poll_steps=5", *AUDIT, f"run.dir={run}"]
+    env = {"RUN_DIR": str(run), **SLOWED}
     if kind == "fsdp":
-        args = [*SMALL, "train.epochs=5", "dist.strategy=fsdp", *audit]  # 80 steps: room for one restart
+        args = [*SMALL, "train.epochs=3", "dist.strategy=fsdp", *audit]
         ranks = spawn_ranks(args, tmp_path, 2, env, nodes=NODES[:2])
     else:
-        args = ["--max-steps", "80", "--eval-every", "80", "--max-bytes", "60000", "--batch-size", "8",
+        args = ["--max-steps", "60", "--eval-every", "60", "--max-bytes", "60000", "--batch-size", "8",
                 "tracking.mode=disabled", *audit]
         ranks = spawn_ranks(args, tmp_path, 2, env, script=CHAR_LM, nodes=NODES[:2])
     ok(wait_ranks(ranks, args, 240))
-    (s,) = events(run, "straggler")
-    # The rule, not a time: named 20 steps into its stretch. A busy machine's noise may start the stretch a window or
-    # two before the slowdown, or break it once (the other rank stalled too) so that it starts again later; FSDP
-    # times only the short optimizer steps, so it sees such noise most (CI saw a stretch start at 17, and at 33). A
-    # weak window (above 1.15, below 1.3) lowers the average, and naming waits a poll or two.
-    assert (s["rank"], s["node"]) == (1, "n2") and s["since"] >= 11 and 20 <= s["step"] - s["since"] + 1 <= 35, s
+    named = events(run, "straggler")
+    assert [(s["rank"], s["node"]) for s in named] == [(1, "n2")], named

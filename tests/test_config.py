@@ -73,6 +73,8 @@ ERRORS = [
     (["train.precision=fp16", "train.device=cpu"], "train.precision", "needs CUDA", ""),
     (["checkpoint.resume=/no/such/ckpt.pt"], "checkpoint.resume", "does not exist", ""),
     (["checkpoint.signal=SIGFOO"], "checkpoint.signal", "unknown signal", ""),
+    (["audit.straggler_ratio=1"], "audit.straggler_ratio", "must be > 1", "audit.straggler_steps=0"),
+    (["audit.straggler_floor_ms=-5"], "audit.straggler_floor_ms", "must be 0 or more", "straggler_floor_ms=10"),
     (["lr"], "'lr'", "key=value", ""),
     (["config=/no/such.yaml"], "config", "does not exist", ""),
 ]

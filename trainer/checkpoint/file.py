@@ -40,9 +40,13 @@ class _Sink:
         self.hash.update(data)
         self.size += len(data)
         n: int = self.f.write(data)
-        if self.delay_s:  # test hook: sleep with the file half-written; a kill now must leave older checkpoints intact
-            self.f.flush()
-            time.sleep(self.delay_s)
+        if self.delay_s:  # test hook: a slow file system with the file half-written (a kill now must leave older
+            self.f.flush()  # checkpoints intact), still writing: a sign of life every half second
+            end = time.monotonic() + self.delay_s
+            while (left := end - time.monotonic()) > 0:
+                time.sleep(min(0.5, left))
+                if self.on_write:
+                    self.on_write()
             self.delay_s = 0.0
         return n
 

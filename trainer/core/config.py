@@ -172,6 +172,8 @@ class AuditConfig:
     """A rank whose compute per step (forwards, optimizer; not collectives) stays above this × the others' is slow."""
     straggler_steps: int = 50
     """Steps a rank must stay that slow before it is named a straggler; 0 turns straggler detection off."""
+    straggler_floor_ms: float = 10.0
+    """...and above the others' by at least this many milliseconds per step: a small model's noise is no straggler."""
     on_straggler: str = "report"
     """report (event, console, report, status name the node) or restart (save, end the attempt blaming the node)."""
     replicas_every_steps: int = 0
@@ -376,6 +378,9 @@ def validate(cfg: Config) -> None:
     if not (cfg.audit.straggler_ratio > 1 and math.isfinite(cfg.audit.straggler_ratio)):
         raise _err("audit.straggler_ratio", f"must be > 1, got {cfg.audit.straggler_ratio}: a rank at the others' pace "
                    "would be named", "e.g. audit.straggler_ratio=1.3, or audit.straggler_steps=0 to turn detection off")
+    if not (cfg.audit.straggler_floor_ms >= 0 and math.isfinite(cfg.audit.straggler_floor_ms)):
+        raise _err("audit.straggler_floor_ms", f"must be 0 or more milliseconds, got {cfg.audit.straggler_floor_ms}",
+                   "e.g. audit.straggler_floor_ms=10")
     if cfg.audit.replicas_every_steps < -1:
         raise _err("audit.replicas_every_steps", f"must be -1 (off), 0 (at saves) or steps, got "
                    f"{cfg.audit.replicas_every_steps}", "e.g. audit.replicas_every_steps=0")

@@ -115,13 +115,14 @@ class Meter:
 
 
 class Detector:
-    """Names a rank whose compute time per step stays above ``ratio`` × the others' median for ``steps`` steps, on
-    average over that stretch. A stretch starts at a window above ``ratio`` and goes on through windows above half
-    the margin (1.15 for 1.3: one noisy window does not hide a straggler, nor does one make one). The first window of
-    an attempt (compiling, warming the allocator) and windows a rank computed nothing in are skipped."""
+    """Names a rank whose compute time per step stays above ``ratio`` × the others' median, and above it by ``floor_s``,
+    for ``steps`` steps, on average over that stretch. A stretch starts at a window above both and goes on through
+    windows above half of each margin (1.15 for 1.3: one noisy window does not hide a straggler, nor does one make
+    one). The first window of an attempt (compiling, warming the allocator) and windows a rank computed nothing in
+    are skipped."""
 
-    def __init__(self, ratio: float, steps: int, nodes: list[str], start: int) -> None:
-        self.ratio, self.steps, self.nodes, self.last = ratio, steps, nodes, start
+    def __init__(self, ratio: float, steps: int, nodes: list[str], start: int, floor_s: float = 0.0) -> None:
+        self.ratio, self.steps, self.nodes, self.last, self.floor_s = ratio, steps, nodes, start, floor_s
         self.windows = 0
         self.slow: dict[int, tuple[int, float]] = {}
         """Rank → (first step of its slow stretch, Σ ratio × steps over it)."""
@@ -136,8 +137,9 @@ class Detector:
             return []
         out = []
         for rank, t in enumerate(times):
-            ratio = t / statistics.median(times[:rank] + times[rank + 1:])
-            if ratio <= (self.ratio if rank not in self.slow else 1 + (self.ratio - 1) / 2):
+            others = statistics.median(times[:rank] + times[rank + 1:])
+            ratio, part = t / others, 1.0 if rank not in self.slow else 0.5  # a stretch goes on at half the margins
+            if ratio <= 1 + part * (self.ratio - 1) or t - others <= part * self.floor_s:
                 self.slow.pop(rank, None)
                 continue
             first, weighted = self.slow.get(rank, (since, 0.0))
@@ -186,7 +188,8 @@ class Audit:
         self.step = start
         multi = env.world_size > 1
         self.nodes: list[str] = _gather(exits.node_name()) if multi else [exits.node_name()]
-        self.detector = Detector(self.cfg.straggler_ratio, self.cfg.straggler_steps, self.nodes, start) \
+        self.detector = Detector(self.cfg.straggler_ratio, self.cfg.straggler_steps, self.nodes, start,
+                                 self.cfg.straggler_floor_ms / 1000) \
             if multi and self.cfg.straggler_steps else None
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
         self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device,

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,11 @@ NCCL_DUMP_TIMEOUT_S = 5.0
 class Heartbeat:
     """This rank's heartbeat and the watchdog thread that reports when it stops."""
 
-    def __init__(self, env: DistEnv, folder: Path, timeout_s: float) -> None:
-        self.env, self.folder, self.timeout_s = env, folder, timeout_s
+    def __init__(self, env: DistEnv, folder: Path, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.env, self.folder, self.timeout_s, self.clock = env, folder, timeout_s, clock
         self.seq, self.step, self.phase = 0, 0, "start"
-        self.last = time.monotonic()
+        self.last = clock()
         self.paused = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,11 +59,11 @@ class Heartbeat:
         self.phase = phase
         if step is not None:
             self.step = step
-        self.last = time.monotonic()
+        self.last = self.clock()
 
     def alive(self) -> None:
         """Progress inside a long phase (a checkpoint write, evaluation batches): refreshes the clock only."""
-        self.last = time.monotonic()
+        self.last = self.clock()
 
     @contextlib.contextmanager
     def waiting(self, on: bool = True) -> Iterator[None]:
@@ -72,13 +73,13 @@ class Heartbeat:
             yield
         finally:
             self.paused -= on
-            self.last = time.monotonic()
+            self.last = self.clock()
 
     def start(self) -> None:
         """Arm the watchdog (after the first step: compiling and warm-up may take minutes)."""
         if self.timeout_s <= 0 or self._thread is not None:
             return
-        self.last = time.monotonic()
+        self.last = self.clock()
         self._thread = threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)
         self._thread.start()
 
@@ -89,11 +90,16 @@ class Heartbeat:
             self._thread.join()
             self._thread = None
 
+    def silent_for(self) -> float | None:
+        """Seconds without progress, once past the timeout and not paused (None: all is well)."""
+        silent = self.clock() - self.last
+        return silent if not self.paused and self.timeout_s > 0 and silent > self.timeout_s else None
+
     def _watch(self) -> None:
         interval = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(interval):
-            silent = time.monotonic() - self.last
-            if not self.paused and silent > self.timeout_s:
+            silent = self.silent_for()
+            if silent is not None:
                 self._report(silent)
 
     def _report(self, silent: float) -> None:

@@ -13,7 +13,9 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -67,6 +69,11 @@ class Faults:
     """The faulty rank of ``grad_flip_from_step``."""
     grad_flip_seed: int = 0
     """Which parameter, value and mantissa bit the faulty rank flips (seeded)."""
+    wait_at_step: int = -1
+    """Every rank waits at the end of this process's step N+1 (-1: never), before the ranks agree on saving, until a
+    signal reaches it or the file ``faults/go`` appears in the run folder; it first writes
+    ``faults/waiting.<attempt>.<rank>`` there. A test then acts from outside (a signal, a kill, SIGSTOP) on a run
+    held at a known step, instead of guessing how far it got."""
     ledger: str = ""
     """A folder: a sharded set's loader appends the samples of every micro-batch it hands out (epoch, micro-batch,
     (shard, sample) pairs) to rank<r>.jsonl there, the per-sample ledger of the exactly-once tests."""
@@ -123,6 +130,17 @@ class Faults:
         if done == self.preempt_at_step + 1:
             return int(getattr(signal, preemption_signal))
         return 0
+
+
+    def wait(self, done: int, rank: int, run_dir: Path, released: Callable[[], bool]) -> None:
+        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go`` exists."""
+        if done != self.wait_at_step + 1:
+            return
+        folder = run_dir / "faults"
+        folder.mkdir(exist_ok=True)
+        (folder / f"waiting.{attempt_id()}.{rank}").touch()
+        while not released() and not (folder / "go").exists():
+            time.sleep(0.05)
 
 
 def _stuck_for_test() -> None:
