@@ -63,16 +63,18 @@ def test_a_fresh_run_assumes_a_second_per_save_until_it_measures_one(tmp_path: P
     assert c.stall_s == 4.0  # the guess is replaced, not averaged
 
 
-DEADLINE_ARGS = [*SMALL, "train.epochs=2", "checkpoint.poll_steps=1"]
+DEADLINE_ARGS = [*SMALL, "train.epochs=3", "checkpoint.poll_steps=1"]
 
 
 def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_an_uninterrupted_one(
         tmp_path: Path) -> None:
+    """The job ends 40 s after the session starts; a save keeps about 22 s (two saves of a second, a step, 20 s for
+    the exit and the requeue): the ranks save once the time left is below that, at some step, exit 75 and resume.
+    When exactly is the margin's arithmetic, tested with a clock below; here, that the save came before the end."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(run_trainer([*DEADLINE_ARGS, f"run.dir={ref}"], tmp_path, nproc=2))
-    started = time.time()
-    ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=20, step_delay_s=0.5))
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=40, step_delay_s=0.5))
+    outs = [p.communicate(timeout=240)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [75, 75], outs[0]
     assert "the time limit is near: saved" in outs[0]
     marker = json.loads((run / "requeue.json").read_text())
@@ -80,8 +82,8 @@ def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_a
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     near = next(e for e in events if e["event"] == "deadline")
     saved = [e for e in events if e["event"] == "checkpoint"][-1]
-    assert 0 < near["left_s"] < near["margin_s"] and saved["step"] == marker["step"]
-    assert saved["t"] < started + 20, (saved, started)  # the save ended before the limit, not after it
+    assert near["left_s"] < near["margin_s"] and saved["step"] == marker["step"]
+    assert saved["t"] < near["t"] + near["left_s"], (saved, near)  # the save ended before the limit, not after it
     ok(run_trainer([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, nproc=2))
     assert result_of(run)["param_checksums"] == result_of(ref)["param_checksums"]
 
@@ -117,25 +119,32 @@ def test_auto_cadence_measures_the_injected_save_cost_and_says_its_interval(tmp_
 
 
 def test_save_now_saves_at_the_next_poll_and_training_goes_on(tmp_path: Path) -> None:
+    """The run waits after step 5 (a test fault) while `cluster save-now` asks; it saves at that poll and goes on."""
     run = tmp_path / "run"
     proc = warm.Popen([sys.executable, "-m", "trainer", *SMALL, "checkpoint.poll_steps=1", f"run.dir={run}"],
-                            cwd=tmp_path, env=clean_env(faults(step_delay_s=0.3)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (run / "config.yaml").exists() or "first_step" not in (run / "events.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+                      cwd=tmp_path, env=clean_env(faults(wait_at_step=4)), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
+    held(run, proc)
     asked = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(run)], capture_output=True, text=True,
                            cwd=ROOT)
     assert asked.returncode == 0 and "asked" in asked.stdout
+    (run / "faults" / "go").touch()
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     saves = [json.loads(x)["step"] for x in (run / "events.jsonl").read_text().splitlines()
              if json.loads(x)["event"] == "checkpoint"]
-    assert len(saves) == 2 and saves[0] < saves[1] == 32 and not (run / "save-now").exists(), saves
+    assert saves == [5, 32] and not (run / "save-now").exists(), saves
     bad = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(tmp_path)], capture_output=True, text=True,
                          cwd=ROOT)
     assert bad.returncode == 2 and "is not a run folder" in bad.stderr
+
+
+def held(run: Path, proc: subprocess.Popen[str], ranks: int = 1, timeout: float = 240) -> None:
+    """Wait until every rank of ``proc``'s run waits at its ``wait_at_step`` (a test fault)."""
+    deadline = time.monotonic() + timeout
+    while len(list((run / "faults").glob("waiting.*"))) < ranks:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
 
 
 def test_fixed_cadence_keeps_its_saves(tmp_path: Path) -> None:
@@ -166,21 +175,13 @@ def test_the_report_sets_the_loss_the_cadence_expected_against_the_loss_seen(tmp
 
 
 def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_path: Path) -> None:
-    """Two attempts SIGKILLed after a few steps (unannounced), one preempted with a save (announced): the next attempt
+    """Two attempts SIGKILLed after 5 steps (unannounced), one preempted with a save (announced): the next attempt
     counts 2 interruptions and derives its interval from them, the measured stall and the prior."""
     run = tmp_path / "run"
     args = [*SMALL, "checkpoint.cadence=auto", "checkpoint.mtbf_hours=1", "checkpoint.every_steps=2",
             "checkpoint.poll_steps=1", f"run.dir={run}"]
-    for killed in range(2):
-        proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path,
-                                env=clean_env(faults(step_delay_s=0.2)), stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        # Killed once this attempt has saved (its own checkpoint event, after those of the attempts before).
-        while not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text().count('"checkpoint"') <= killed:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.kill()
-        proc.wait()
+    for _ in range(2):
+        assert run_trainer(args, tmp_path, env=faults(kill_at_step=4, kill_rank=0)).returncode == -9
     assert run_trainer(args, tmp_path, env=faults(preempt_at_step=3)).returncode == 75
     last = ok(run_trainer(args, tmp_path))
     line = next(x for x in last.stdout.splitlines() if x.startswith("checkpoint cadence:"))
@@ -189,11 +190,13 @@ def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_pat
     assert lost == 2 and ran > 0 and stalls
     from trainer.runtime.attempts import attempts, figures
 
-    runs = attempts(run)  # each attempt's cadence line is filed under it, not under the attempt before
-    assert len(runs) == 4 and all(a.times("cadence") and a.times("cadence")[0]["t"] - a.info["t"] < 0.2 for a in runs)
+    # Each attempt's first cadence line is filed under it, not under the attempt before: it counts the interruptions
+    # before it (0, 1, 2, 2) in its time between them, (prior 3600 s + the seconds run) / (interruptions + 1).
+    runs = attempts(run)
+    first = [a.times("cadence")[0]["mtbf_s"] for a in runs]
+    assert len(runs) == 4 and [round(m / 600) for m in first] == [6, 3, 2, 2], first
     f = figures(runs)
     assert f["cadence"] and f["cadence"]["interruptions"] == 2
-
 
 
 class _Limit:
@@ -206,34 +209,82 @@ class _Limit:
         return self.left
 
 
-def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0):  # type: ignore[no-untyped-def]
+class Clock:
+    def __init__(self) -> None:
+        self.now = 5000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0, clock: Clock | None = None,
+            **cfg: object):  # type: ignore[no-untyped-def]
     from trainer.core.config import CheckpointConfig
     from trainer.core.env import DistEnv
     from trainer.runtime.preemption import Preemption, SavePolicy
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
-    cfg = CheckpointConfig(async_save=async_save, poll_steps=1)
-    return SavePolicy(cfg, env, Preemption(()), deadline=_Limit(left), save_s=save_s)  # type: ignore[arg-type]
+    config = CheckpointConfig(async_save=async_save, **{"poll_steps": 1, **cfg})  # type: ignore[arg-type]
+    return SavePolicy(config, env, Preemption(()), deadline=_Limit(left), save_s=save_s,  # type: ignore[arg-type]
+                      clock=clock or Clock())
 
 
 def test_the_deadline_margin_covers_the_longest_blocking_save_and_the_steps_to_the_next_poll() -> None:
     from trainer.runtime.cadence import SLACK_S
 
-    p = _policy(left=1000.0)
+    clock = Clock()
+    p = _policy(left=1000.0, clock=clock)
     assert p.margin_s() == pytest.approx(2 * 1.0 + SLACK_S)
     p.saved(6.0, blocking=False)  # an async save's copy: not what a last, blocking save takes
     p.saved(4.0, blocking=True)
     assert p.save_s == 4.0 and p.margin_s() == pytest.approx(2 * 4.0 + SLACK_S)
     assert _policy(1000.0, async_save=True, save_s=4.0).margin_s() == pytest.approx(2 * 8.0 + SLACK_S)  # one in flight
-    time.sleep(0.3)  # the first span (start-up, compiling, a first evaluation) does not count; later ones do
+    clock.now += 300  # the first span (start-up, compiling, a first evaluation) does not count; later ones do
     p.poll(1)
     assert p.poll_span_s == 0.0
-    p.poll(2)
-    p.poll(3)
-    assert 0 < p.poll_span_s < 0.3 and not p.poll(4).deadline
+    for span in (2.5, 7.0, 3.0):
+        clock.now += span
+        p.poll(2)
+    assert p.poll_span_s == 7.0 and p.margin_s() == pytest.approx(2 * (4.0 + 7.0) + SLACK_S)
+    assert not p.poll(4).deadline
     p.deadline.left = p.margin_s() - 1  # type: ignore[union-attr]
     assert p.poll(5).deadline
     assert _policy(None).poll(1) == _policy(None).poll(1)  # no time limit: never a deadline
+
+
+@pytest.mark.parametrize(("every_minutes", "polls", "due"), [
+    (1.0, [(30, False), (29, False), (2, True), (30, False), (31, True)], None),  # the interval restarts at a save
+    (0.0, [(3600, False)], None),  # no timed saves
+])
+def test_timed_saves_fall_due_by_the_clock_at_the_polls(every_minutes: float, polls: list[tuple[float, bool]],
+                                                        due: None) -> None:
+    clock = Clock()
+    p = _policy(None, clock=clock, every_minutes=every_minutes)
+    for later, expected in polls:
+        clock.now += later
+        got = p.poll(1).due
+        assert got is expected, (later, clock.now)
+        if got:
+            p.saved(0.1)
+
+
+def test_the_auto_cadence_counts_the_time_this_attempt_has_run(tmp_path: Path) -> None:
+    clock = Clock()
+    c = Cadence(tmp_path, nodes=2, prior_hours=2, clock=clock)
+    assert c.mtbf_s == pytest.approx(3600)
+    clock.now += 1800
+    assert c.mtbf_s == pytest.approx(5400)  # (observed 1800 s + prior 3600 s) / (0 interruptions + 1)
+
+
+def test_the_deadline_counts_down_on_the_wall_clock() -> None:
+    from trainer.runtime.cadence import Deadline
+
+    wall = Clock()
+    d = Deadline("42", end_in_s=90, wall=wall)
+    assert d.left_s() == 90
+    wall.now += 100
+    assert d.left_s() == -10
+    assert Deadline(None, wall=wall).left_s() is None
 
 
 @pytest.mark.parametrize(("left", "grace", "at_limit"), [

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer.runtime.attempts import attempts
@@ -69,17 +70,18 @@ def _words(seconds: float) -> str:
 class Cadence:
     """Rank 0's answer to "how long between saves", re-derived as stalls are measured."""
 
-    def __init__(self, run_dir: Path, nodes: int, prior_hours: float) -> None:
+    def __init__(self, run_dir: Path, nodes: int, prior_hours: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         ran, self.lost, stalls = history(run_dir)
         self.prior_s = prior_hours * 3600 / max(1, nodes)
-        self.ran_s, self.started = ran, time.monotonic()
+        self.ran_s, self.clock, self.started = ran, clock, clock()
         self.stall_s = max(stalls[-3:]) if stalls else FIRST_STALL_S
         self.measured = bool(stalls)
         self.said = 0.0
 
     @property
     def mtbf_s(self) -> float:
-        observed = self.ran_s + time.monotonic() - self.started
+        observed = self.ran_s + self.clock() - self.started
         return (observed + self.prior_s) / (self.lost + 1)
 
     def interval(self) -> float:
@@ -105,8 +107,10 @@ class Deadline:
     with squeue in a thread, since a time limit may change while the job runs (``end_in_s``: a test's fixed end,
     seconds from now)."""
 
-    def __init__(self, job_id: str | None, end_in_s: float = 0.0, known_end: float | None = None) -> None:
-        self.end: float | None = time.time() + end_in_s if end_in_s > 0 else known_end
+    def __init__(self, job_id: str | None, end_in_s: float = 0.0, known_end: float | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall
+        self.end: float | None = wall() + end_in_s if end_in_s > 0 else known_end
         self.job_id = job_id
         if job_id and not end_in_s and shutil.which("squeue"):
             threading.Thread(target=self._watch, name="trainer-deadline", daemon=True).start()
@@ -122,7 +126,7 @@ class Deadline:
 
     def left_s(self) -> float | None:
         """Seconds to the time limit, or None without one."""
-        return None if self.end is None else self.end - time.time()
+        return None if self.end is None else self.end - self.wall()
 
 
 def _end_time(job_id: str) -> float | None:

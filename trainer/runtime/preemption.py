@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -67,10 +68,11 @@ class SavePolicy:
     """
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, cadence: Cadence | None = None,
-                 deadline: Deadline | None = None, save_now: Path | None = None, save_s: float = FIRST_STALL_S) -> None:
-        self.cfg, self.env, self.preemption = cfg, env, preemption
+                 deadline: Deadline | None = None, save_now: Path | None = None, save_s: float = FIRST_STALL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.env, self.preemption, self.clock = cfg, env, preemption, clock
         self.cadence, self.deadline, self.save_now = cadence, deadline, save_now
-        self.last_save = self.last_poll = time.monotonic()
+        self.last_save = self.last_poll = clock()
         self.polls = 0
         self.poll_span_s = 0.0
         """The longest time between two polls so far (the first, after start-up and compiling, aside): how late the
@@ -101,7 +103,7 @@ class SavePolicy:
 
     def _rank0_flags(self) -> tuple[bool, bool]:
         """(a save is due by the clock or on request, the deadline is near): rank 0's view."""
-        since = time.monotonic() - self.last_save
+        since = self.clock() - self.last_save
         timed = self.cfg.every_minutes > 0 and since >= 60 * self.cfg.every_minutes
         if self.cadence is not None:
             timed = timed or since >= self.cadence.interval()
@@ -121,7 +123,7 @@ class SavePolicy:
         due_by_steps = bool(every and step % every == 0)
         if not self.polls_at(step, force):
             return Poll(due=due_by_steps)
-        now, self.polls = time.monotonic(), self.polls + 1
+        now, self.polls = self.clock(), self.polls + 1
         if self.polls > 1:
             self.poll_span_s = max(self.poll_span_s, now - self.last_poll)
         self.last_poll = now
@@ -141,7 +143,7 @@ class SavePolicy:
 
     def saved(self, stall_s: float, blocking: bool = True) -> None:
         """A save just finished, stalling training ``stall_s``: the timed interval starts again."""
-        self.last_save = time.monotonic()
+        self.last_save = self.clock()
         if blocking:
             self.save_s = max(self.save_s, stall_s)
         if self.cadence is not None:

@@ -287,8 +287,7 @@ class Session:
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
         # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
         self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2", self.env.rank))
-        self.faults.wait(self.steps_here + 1, self.env.rank, self.run_dir,
-                         lambda: self.heartbeat.alive() or bool(self.preemption.signum))
+        self.faults.wait(self.steps_here + 1, self.env.rank, self.run_dir, self._released)
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
         poll = self.saves.policy.poll(step, force_poll)
         _opened(self._audit).after_step(step, poll.compute)
@@ -304,6 +303,11 @@ class Session:
         if self._snapshots and not (poll.due or self.preempted) and self._snapshots.due(step):
             self._snapshots.take(*self._state(step), step)
         return poll.due or self.preempted
+
+    def _released(self) -> bool:
+        """For the ``wait_at_step`` test fault: a signal came (the wait is no hang)."""
+        self.heartbeat.alive()
+        return bool(self.preemption.signum)
 
     @property
     def preempted(self) -> bool:
