@@ -126,6 +126,21 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e or "" for _, e in outs))
 
 
+def held(run: Path, procs: list[Any], ranks: int | None = None, timeout: float = 240) -> None:
+    """Wait until ``ranks`` ranks (default: one per process) of the run wait at the ``wait_at_step`` test fault; a
+    rank then goes on when a signal reaches it, or every rank when ``run/faults/go`` exists (see ``go``)."""
+    deadline = time.monotonic() + timeout
+    while len(list((run / "faults").glob("waiting.*"))) < (ranks or len(procs)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+            "".join(p.communicate()[0] or "" for p in procs)
+        time.sleep(0.1)
+
+
+def go(run: Path) -> None:
+    """Let every rank held at ``wait_at_step`` go on."""
+    (run / "faults" / "go").touch()
+
+
 def result_of(run_dir: Path) -> dict[str, Any]:
     """The summary rank 0 wrote at the end of a run."""
     return json.loads((run_dir / "result.json").read_text())

@@ -8,7 +8,6 @@ import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from cluster.job.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
 from trainer.runtime.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
 from . import warm
-from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, go, held, ok, result_of, run_trainer, spawn_ranks
 
 
 @pytest.mark.parametrize(("stall", "mtbf", "expected"), [
@@ -124,11 +123,11 @@ def test_save_now_saves_at_the_next_poll_and_training_goes_on(tmp_path: Path) ->
     proc = warm.Popen([sys.executable, "-m", "trainer", *SMALL, "checkpoint.poll_steps=1", f"run.dir={run}"],
                       cwd=tmp_path, env=clean_env(faults(wait_at_step=4)), stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
-    held(run, proc)
+    held(run, [proc])
     asked = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(run)], capture_output=True, text=True,
                            cwd=ROOT)
     assert asked.returncode == 0 and "asked" in asked.stdout
-    (run / "faults" / "go").touch()
+    go(run)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     saves = [json.loads(x)["step"] for x in (run / "events.jsonl").read_text().splitlines()
@@ -137,14 +136,6 @@ def test_save_now_saves_at_the_next_poll_and_training_goes_on(tmp_path: Path) ->
     bad = subprocess.run([sys.executable, "-m", "cluster", "save-now", str(tmp_path)], capture_output=True, text=True,
                          cwd=ROOT)
     assert bad.returncode == 2 and "is not a run folder" in bad.stderr
-
-
-def held(run: Path, proc: subprocess.Popen[str], ranks: int = 1, timeout: float = 240) -> None:
-    """Wait until every rank of ``proc``'s run waits at its ``wait_at_step`` (a test fault)."""
-    deadline = time.monotonic() + timeout
-    while len(list((run / "faults").glob("waiting.*"))) < ranks:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
 
 
 def test_fixed_cadence_keeps_its_saves(tmp_path: Path) -> None:
