@@ -129,21 +129,16 @@ def test_a_batch_script_of_the_previous_version_still_runs_its_injected_keys(tmp
     no longer keys, are taken as TRAINER_SIGNAL and TRAINER_CHECKSUM with one note each, and still do their job."""
     import json
     import signal
-    import time
 
-    from .conftest import SMALL
+    from .conftest import SMALL, held
 
     run = tmp_path / "run"
     args = [*SMALL, "train.epochs=20", "checkpoint.signal=SIGUSR1", "train.checksum=true", "checkpoint.poll_steps=1",
             f"run.dir={run}"]
-    env = clean_env({"TRAINER_CHECKSUM": "", "TRAINER_FAULTS": "step_delay_s=0.05"})
+    env = clean_env({"TRAINER_CHECKSUM": "", "TRAINER_FAULTS": "wait_at_step=3"})
     proc = warm.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not (run / "events.jsonl").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.1)
-    time.sleep(1)
+    held(run, [proc])
     proc.send_signal(signal.SIGUSR1)  # the old script's checkpoint.signal: it must save, not kill
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .conftest import AUDIT, SMALL, clean_env, faults, ok, result_of, run_trainer
+from .conftest import AUDIT, SMALL, clean_env, faults, go, held, ok, result_of, run_trainer
 
 
 def test_two_processes_train_identical_weights_and_learn(tmp_path: Path) -> None:
@@ -80,7 +80,6 @@ def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> 
     """Another process listens on MASTER_PORT (a second job on the node): rank 0 cannot serve the rendezvous, the
     others reach a stranger. Each says MASTER_PORT with a HINT and exits 2; none ends in a traceback."""
     import socket
-    import time
 
     from .conftest import free_port, spawn_ranks
 
@@ -122,22 +121,21 @@ def test_torchrun_restarting_its_workers_continues_the_run(tmp_path: Path) -> No
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "--max-restarts=1", "-m", "trainer", *SMALL, "train.epochs=2", "checkpoint.every_steps=4",
-                             f"run.dir={run}"], cwd=tmp_path, env=clean_env(faults(step_delay_s=0.2)),
+                             f"run.dir={run}"], cwd=tmp_path, env=clean_env(faults(wait_at_step=5)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "latest").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.1)
+        held(run, [proc], ranks=2)  # both workers after step 6, with step 4 saved
         worker = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _env_of(p).get("RANK") == "1"
                       and _env_of(p).get("TORCHELASTIC_RUN_ID") and str(run) in _cmdline(p))
         os.kill(worker, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=180)
+        go(run)  # rank 0 goes on to find its peer gone; the workers of the next round do not stop there
+        out, _ = proc.communicate(timeout=240)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out and result_of(run)["outcome"] == "finished"
+    assert Path(result_of(run)["resumed_from"]).name == "step_00000004.pt"
 
 
 def _env_of(proc: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, clean_env, free_port
+from .conftest import ROOT, clean_env, faults, free_port, held
 
 PLAIN = ROOT / "tests" / "scripts" / "plain_ddp.py"
 HOSTILE = ["a b", "x'; touch pwned; echo 'y", "$(touch pwned)", "--flag=1", "--"]
@@ -107,12 +107,8 @@ def test_the_session_api_saves_on_the_jobs_warning_signal_into_run_dir(tmp_path:
     run = tmp_path / "run"
     proc = launch(["--signal", "USR1", "--", "python", str(ROOT / "examples" / "char_lm" / "train.py"),
                    "--max-steps", "400", "--max-bytes", "40000", "--eval-every", "1000", "checkpoint.poll_steps=1"],
-                  slurm_task(0, 1, 7, {"RUN_DIR": str(run)}), tmp_path)
-    deadline = time.monotonic() + 120
-    while not (run / "config.yaml").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.1)
-    time.sleep(3)
+                  slurm_task(0, 1, 7, {"RUN_DIR": str(run), **faults(wait_at_step=3)}), tmp_path)
+    held(run, [proc])  # some steps in
     os.killpg(proc.pid, signal.SIGUSR1)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, out
