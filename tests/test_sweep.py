@@ -593,7 +593,7 @@ def test_the_dashboard_serves_the_sweeps_study_in_a_real_browser(tmp_path: Path,
         first = server.stdout.readline()
         assert f"http://127.0.0.1:{port}/dashboard/" in first, first
         url = f"http://127.0.0.1:{port}/dashboard/studies/1"
-        for _ in range(60):  # the server is up once its API answers
+        for _ in range(240):  # the server is up once its API answers (2 minutes: a machine 4× as slow)
             api = subprocess.run(["curl", "-sf", f"http://127.0.0.1:{port}/api/studies"], capture_output=True, text=True)
             if api.returncode == 0:
                 break
