@@ -126,19 +126,22 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e or "" for _, e in outs))
 
 
-def held(run: Path, procs: list[Any], ranks: int | None = None, timeout: float = 240) -> None:
-    """Wait until ``ranks`` ranks (default: one per process) of the run wait at the ``wait_at_step`` test fault; a
-    rank then goes on when a signal reaches it, or every rank when ``run/faults/go`` exists (see ``go``)."""
+def held(run: Path, procs: list[Any] | None = None, ranks: int | None = None, attempt: str = "0",
+         timeout: float = 240) -> None:
+    """Wait until ``ranks`` ranks (default: one per process of ``procs``) of ``attempt`` of the run wait at the
+    ``wait_at_step`` test fault (``procs``, if given, must all still run). A rank then goes on when a signal reaches
+    it, or every rank when ``go`` says so."""
     deadline = time.monotonic() + timeout
-    while len(list((run / "faults").glob("waiting.*"))) < (ranks or len(procs)):
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
-            "".join(p.communicate()[0] or "" for p in procs)
+    while len(list((run / "faults").glob(f"waiting.{attempt}.*"))) < (ranks or len(procs or [])):
+        alive = all(p.poll() is None for p in procs or [])
+        assert alive and time.monotonic() < deadline, "".join(p.communicate()[0] or "" for p in procs or []) or \
+            f"timed out waiting for {ranks} rank(s) of attempt {attempt} to hold"
         time.sleep(0.1)
 
 
-def go(run: Path) -> None:
-    """Let every rank held at ``wait_at_step`` go on."""
-    (run / "faults" / "go").touch()
+def go(run: Path, attempt: str = "0") -> None:
+    """Let every rank of ``attempt`` held at ``wait_at_step`` go on."""
+    (run / "faults" / f"go.{attempt}").touch()
 
 
 def result_of(run_dir: Path) -> dict[str, Any]:

@@ -71,7 +71,7 @@ class Faults:
     """Which parameter, value and mantissa bit the faulty rank flips (seeded)."""
     wait_at_step: int = -1
     """Every rank waits at the end of this process's step N+1 (-1: never), before the ranks agree on saving, until a
-    signal reaches it or the file ``faults/go`` appears in the run folder; it first writes
+    signal reaches it or the file ``faults/go.<attempt>`` appears in the run folder; it first writes
     ``faults/waiting.<attempt>.<rank>`` there. A test then acts from outside (a signal, a kill, SIGSTOP) on a run
     held at a known step, instead of guessing how far it got."""
     ledger: str = ""
@@ -133,13 +133,13 @@ class Faults:
 
 
     def wait(self, done: int, rank: int, run_dir: Path, released: Callable[[], bool]) -> None:
-        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go`` exists."""
+        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go.<attempt>`` exists."""
         if done != self.wait_at_step + 1:
             return
-        folder = run_dir / "faults"
+        folder, attempt = run_dir / "faults", attempt_id()
         folder.mkdir(exist_ok=True)
-        (folder / f"waiting.{attempt_id()}.{rank}").touch()
-        while not released() and not (folder / "go").exists():
+        (folder / f"waiting.{attempt}.{rank}").touch()
+        while not released() and not (folder / f"go.{attempt}").exists():
             time.sleep(0.05)
 
 
