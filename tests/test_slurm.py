@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CLUSTER_OF, CLUSTERS, ROOT, SMALL, exported, faults
+from .conftest import CLUSTER_OF, CLUSTERS, ROOT, SMALL, exported, faults, held
 
 SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 
@@ -66,7 +66,6 @@ def cluster_cmd(args: list[str], env: dict[str, str], timeout: float = 300) -> s
     return sh([sys.executable, "-m", "cluster", "submit", "--cluster", "dev", *args], env, timeout)
 
 
-@pytest.mark.slurm_compat
 def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     env = {**slurm_env, "DOCTOR": "1"}  # sbatch passes it on: the batch script runs the preflight doctor first
     proc = sh(["make", "submit", "NODES=2", "CLUSTER=dev", "WAIT=1", f"ARGS={' '.join(SMALL)}"], env)
@@ -83,7 +82,6 @@ def test_make_submit_submitit_two_nodes(slurm_env: dict[str, str]) -> None:
     assert "epoch" not in rank1.read_text() and "done:" not in rank1.read_text()  # only rank 0 speaks
 
 
-@pytest.mark.slurm_compat
 @pytest.mark.parametrize("launch", ["srun", "torchrun"])
 def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, launch: str) -> None:
     run = tmp_path / "run"
@@ -103,45 +101,73 @@ def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, la
             assert b"secret-key-7f3a" not in f.read_bytes(), f
 
 
-def _slow_job(slurm_env: dict[str, str], run: Path, launcher: str, extra: list[str]) -> str:
-    args = [*SMALL, "train.epochs=2", f"run.dir={run}", *extra]
-    proc = cluster_cmd(["--launcher", launcher, "--", *args], {**slurm_env, **faults(step_delay_s=0.3)})
+@pytest.fixture(scope="module")
+def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameter checksum of 2 epochs on 2 nodes, uninterrupted."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, "train.epochs=2", f"run.dir={ref}"], slurm_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return job_id_of(proc.stdout)
+    return str(json.loads((ref / "result.json").read_text())["param_checksums"][0])
 
 
-def _reference(slurm_env: dict[str, str], tmp_path: Path, extra: list[str]) -> str:
-    ref = tmp_path / "ref"
-    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, "train.epochs=2", f"run.dir={ref}", *extra],
-                       slurm_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((ref / "result.json").read_text())["param_checksums"][0]
+OFFLINE = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline", "train.epochs=2"]
 
 
 @pytest.mark.slurm_compat
 @pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
-def test_preemption_signal_saves_requeues_and_matches_an_uninterrupted_run(
-        slurm_env: dict[str, str], tmp_path: Path, launcher: str) -> None:
+def test_a_preempted_job_saves_requeues_and_every_tool_sees_one_run_of_two_attempts(
+        slurm_env: dict[str, str], tmp_path: Path, launcher: str, reference: str) -> None:
+    """Slurm's warning signal (scancel --signal) reaches ranks held after step 6: they save at the next poll (10)
+    and exit 75; the job is requeued (expedited where this Slurm offers it and the script asks) and ends as if
+    uninterrupted. The run tools (squeue and sacct read), the report and W&B (offline) see one run of two attempts."""
+    from tests.test_tracking import run_files
+    from tests.wandb_records import summary
+
     run = tmp_path / "run"
-    job = _slow_job(slurm_env, run, launcher, [])
-    wait_for(lambda: (run / "config.yaml").exists() and job_state(job, slurm_env) == "RUNNING", what="start")
-    time.sleep(4)  # some steps in
+    proc = cluster_cmd(["--launcher", launcher, "--", *OFFLINE, f"run.dir={run}"],
+                       {**slurm_env, **faults(at={"0": {"wait_at_step": 5}})})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_id_of(proc.stdout)
+    held(run, ranks=2)
     assert sh(["scancel", "--signal=USR2", job], slurm_env).returncode == 0
-    wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued run to finish")
-    wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=60, what="COMPLETED")
+    wait_for(lambda: (run / "result.json").exists(), timeout=300, what="the requeued run to finish")
+    wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=120, what="COMPLETED")
     result = json.loads((run / "result.json").read_text())
-    assert result["resumed_from"], result
-    assert len(set(result["param_checksums"])) == 1
-    assert result["param_checksums"][0] == _reference(slurm_env, tmp_path, [])
+    assert Path(result["resumed_from"]).name == "step_00000010.pt", result
+    assert result["param_checksums"] == [reference, reference]
     restarts = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
     assert len(restarts) == 2, restarts  # one requeue: the first attempt, then the finished one
+    script = sh(["scontrol", "write", "batch_script", job, "-"], slurm_env).stdout
+    asked = "--requeue=expedite" in script or "'requeue': 'expedite'" in script or "--requeue=expedite" in proc.stdout
+    assert asked == _offers_expedited_requeue(slurm_env), script[:2000]
+    row = next(r for r in json.loads(sh([sys.executable, "-m", "cluster", "runs", "--json"], slurm_env).stdout)
+               if r["job"] == job)
+    assert (row["state"], row["attempts"], row["progress"]) == ("finished", 2, "32/32"), row
+    status = sh([sys.executable, "-m", "cluster", "status", job], slurm_env).stdout
+    assert "attempts (2):" in status and "preempted" in status, status
+    report = sh([sys.executable, "-m", "trainer.report", str(run)], slurm_env).stdout
+    assert "attempt 1: preempted: saved after the warning signal" in report, report
+    tracked = [summary(f) for f in run_files(run)]  # one offline folder per attempt, one run id
+    assert len(tracked) == 2 and len({t["run_id"] for t in tracked}) == 1, tracked
+    steps = [s for t in tracked for s in sorted(t["history"])]
+    assert steps == sorted(steps) and steps[-1] == 32, steps
+
+
+def _offers_expedited_requeue(env: dict[str, str]) -> bool:
+    """Asked of this Slurm as the submit step asks it (cluster/job/nodes.py), in a process with its environment."""
+    code = "from cluster.job.nodes import offers_expedited_requeue as o; print(o())"
+    return sh([sys.executable, "-c", code], env).stdout.strip() == "True"
 
 
 def test_scontrol_requeue_without_warning_resumes_from_a_periodic_checkpoint(
         slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """`scontrol requeue`: no warning signal, SIGTERM then SIGKILL; the run goes on from what it had saved."""
     run = tmp_path / "run"
-    job = _slow_job(slurm_env, run, "sbatch", ["checkpoint.every_steps=3"])
-    wait_for(lambda: (run / "checkpoints" / "latest").exists(), what="a periodic checkpoint")
+    proc = cluster_cmd(["--launcher", "sbatch", "--", *SMALL, "train.epochs=2", f"run.dir={run}",
+                        "checkpoint.every_steps=3"], {**slurm_env, **faults(at={"0": {"wait_at_step": 3}})})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = job_id_of(proc.stdout)
+    held(run, ranks=2)  # after step 4, step 3 saved
     assert sh(["scontrol", "requeue", job], slurm_env).returncode == 0
     wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued run to finish")
     result = json.loads((run / "result.json").read_text())
