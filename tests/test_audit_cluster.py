@@ -17,19 +17,16 @@ __all__ = ["reference", "slurm_env"]  # the fixtures
 def test_a_straggler_is_restarted_without_its_node_and_the_job_ends_as_if_uninterrupted(
         slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
     run = tmp_path / "run"
-    env = {**slurm_env, **faults(step_delay_s=0.05, slow_rank=1, slow_from_step=6, slow_factor=3, only_restart=0),
-           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    # 3x slower against a ratio of 2: short stretches (8 steps) are then clear of a busy CI machine's noise, which
-    # once named a rank of the clean second attempt at the default ratio.
+    # 10x slower from step 4 of the first attempt: no machine's noise makes or breaks such a stretch. When it is named
+    # is the detector's rule (tests/test_audit.py); here, what the job does about it.
+    slow = {"slow_rank": 1, "slow_from_step": 4, "slow_factor": 10}
+    env = {**slurm_env, **faults(at={"0": slow}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
     job = submit(env, "sbatch", [*SLOW, f"run.dir={run}", "checkpoint.poll_steps=2", "audit.straggler_steps=8",
-                                 "audit.straggler_ratio=2", "audit.on_straggler=restart"], ["spare_nodes=1"])
+                                 "audit.straggler_floor_ms=1", "audit.on_straggler=restart"], ["spare_nodes=1"])
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
     (s,) = events(run, "straggler")
-    # Named after straggler_steps of slowness (plus a poll or two); on a busy machine a noisy window of the other
-    # rank may end a stretch once and start it again (CI named it at step 22): the latency at the defaults is measured
-    # in docs/benchmarks.md (section 12), here the restart without the node is what counts.
-    assert (s["rank"], s["action"]) == (1, "restart") and s["step"] <= 6 + 2 * 8 + 4, s
+    assert (s["rank"], s["action"]) == (1, "restart"), s
     ends = events(run, "attempt_end")
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
     assert ends[0]["class"] == "infrastructure" and ends[0]["blamed"] == [s["node"]], ends[0]

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import ROOT, faults
-from .test_healing import finished, kill_rank, snapshotted
-from .test_slurm import cluster_cmd, job_id_of, slurm_env, wait_for
+from .conftest import ROOT, faults, go, held
+from .test_healing import finished, kill_rank
+from .test_slurm import cluster_cmd, idle, job_id_of, slurm_env
 
 __all__ = ["slurm_env"]
 
@@ -56,13 +56,15 @@ def test_a_node_range_job_on_shards_shrinks_and_trains_each_sample_once(slurm_en
     proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "3", "--wait", "--", *args, f"run.dir={ref}",
                         "data.num_workers=0"], {**env, **faults(ledger=tmp_path / "ref-ledger")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    idle(env, 3)  # a node range starts on as many as are free: all three, to lose one
     proc = cluster_cmd(["--launcher", "sbatch", "--nodes", "2-3", "--", *args, f"run.dir={run}", "data.num_workers=2",
                         "checkpoint.every_steps=10", "checkpoint.memory_every_steps=4"],
-                       {**env, **faults(step_delay_s=0.3, ledger=tmp_path / "ledger")})
+                       {**env, **faults(ledger=tmp_path / "ledger", at={"0": {"wait_at_step": 5}})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
-    wait_for(lambda: snapshotted(run, 0), what="a memory snapshot newer than the last checkpoint")
+    held(run, ranks=3)  # after step 6, a snapshot of step 4 in memory
     kill_rank(job, 1, 0)
+    go(run)
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["world_size"] == 2, result
 

@@ -57,6 +57,14 @@ def wait_for(pred, timeout: float = 180, what: str = "") -> None:  # type: ignor
         time.sleep(0.5)
 
 
+def idle(env: dict[str, str], nodes: int, timeout: float = 180) -> None:
+    """Wait until the partition has ``nodes`` idle nodes (a finished job's may still be completing)."""
+    def count() -> int:
+        return sum(int(n) for n in sh(["sinfo", "-h", "-t", "idle", "-o", "%D"], env).stdout.split())
+
+    wait_for(lambda: count() >= nodes, timeout, f"{nodes} idle nodes")
+
+
 def job_state(job: str, env: dict[str, str]) -> str:
     lines = sh(["sacct", "-j", job, "-X", "-n", "-P", "--format=State"], env).stdout.strip().splitlines()
     return lines[-1].split()[0] if lines else ""  # "CANCELLED by 0" → "CANCELLED"

@@ -119,8 +119,9 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
     from trainer.testing import faults  # here: it loads torch, which `--help` and bad arguments never need
 
-    if faults.load().doctor_fail_node == host:
-        checks.append(Check("fault", FAIL, f"injected on {host} (TRAINER_FAULTS doctor_fail_node)", ""))
+    injected = faults.load()
+    if injected.doctor_fail_node == host or injected.doctor_fail_rank == env.rank:
+        checks.append(Check("fault", FAIL, f"injected on {host} (TRAINER_FAULTS doctor_fail_node or _rank)", ""))
     code = _checked(cfg, env, checks, host)
     _record(env.rank, host, checks, code)
     return code

@@ -52,6 +52,8 @@ class Faults:
     """The job's time limit is this many seconds after the session starts (what squeue reports under Slurm)."""
     doctor_fail_node: str = ""
     """The preflight doctor fails on the node of this name (Slurm's), as a broken GPU or mount would."""
+    doctor_fail_rank: int = -1
+    """...or on the node of this rank, wherever Slurm placed it (-1: none)."""
     slow_rank: int = -1
     """This rank computes ``slow_factor`` times slower from step ``slow_from_step`` on (-1: none): a throttled GPU."""
     slow_from_step: int = 0
