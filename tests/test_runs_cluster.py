@@ -13,14 +13,14 @@ import pytest
 
 from cluster.job import ledger
 
-from .conftest import ROOT
+from .conftest import ROOT, faults, held
 from .test_slurm import sh, slurm_env, wait_for
 from .test_sweep_cluster import ARGS
 
 __all__ = ["slurm_env"]  # the fixture, imported for the tests below
 
 LOOP = '''\
-import os, sys, time
+import os, sys
 import torch
 import trainer
 
@@ -37,7 +37,6 @@ def main() -> int:
             opt.step()
             print(f"rank {sess.env.rank} attempt {os.environ.get('SLURM_RESTART_COUNT', '0')} step {step}", flush=True)
             sess.log({"loss": float(loss)}, step)
-            time.sleep(0.2)
             if sess.should_save(step):
                 sess.save(step)
                 if sess.preempted:
@@ -59,21 +58,19 @@ def table(env: dict[str, str], cwd: Path) -> dict[str, dict[str, Any]]:
     return {r["job"]: r for r in json.loads(tool(["runs", "--json"], env, cwd))}
 
 
-def text(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
 def submitted(out: str) -> str:
     return out.split("submitted job ")[1].split()[0]
 
 
 def start_all(env: dict[str, str], cwd: Path) -> tuple[str, str, str]:
-    """Jobs A (2 nodes) and B (1 node) of the loop above, a 2-trial sweep, and C, the loop by hand from a rendered
-    template; their job ids (A, B, C)."""
+    """Jobs A (2 nodes) and B (1 node) of the loop above, held in their first attempt after steps 3 and 6 (a test
+    fault), a 2-trial sweep, and C, the loop by hand from a rendered template; their job ids (A, B, C)."""
     (cwd / "loop.py").write_text(LOOP)
     cmd = ["--", "python", "loop.py", "checkpoint.every_steps=5", "checkpoint.poll_steps=1", "tracking.mode=disabled"]
-    a = submitted(tool(["submit", "--nodes", "2", "--launcher", "sbatch", *cmd], env, cwd))
-    b = submitted(tool(["submit", "--nodes", "1", "--launcher", "sbatch", *cmd], env, cwd))
+    a = submitted(tool(["submit", "--nodes", "2", "--launcher", "sbatch", *cmd],
+                       {**env, **faults(at={"0": {"wait_at_step": 2}})}, cwd))
+    b = submitted(tool(["submit", "--nodes", "1", "--launcher", "sbatch", *cmd],
+                       {**env, **faults(at={"0": {"wait_at_step": 5}})}, cwd))
     spec = {"name": "s", "profile": {"nodes": 1}, "max_parallel": 1, "method": "grid", "metric": "test_accuracy",
             "mode": "max", "args": [*ARGS, "tracking.mode=disabled"], "parameters": {"optim.lr": [0.05, 0.1]}}
     (cwd / "spec.yaml").write_text(json.dumps(spec))
@@ -89,12 +86,12 @@ def start_all(env: dict[str, str], cwd: Path) -> tuple[str, str, str]:
 def test_runs_status_logs_cancel_and_resubmit_on_real_jobs(slurm_env: dict[str, str], tmp_path: Path) -> None:
     env = {**slurm_env, ledger.LEDGER_ENV: str(tmp_path / "ledger")}
     a, b, c = start_all(env, tmp_path)
-    runs_b, log_a = tmp_path / "runs" / b, tmp_path / "runs" / "slurm" / f"train-{a}.out"
-    wait_for(lambda: table(env, tmp_path).get(a, {}).get("state") == "running"
-             and "rank 1 attempt 0 step 3" in text(log_a), 120, "job A to run")
+    runs_a, runs_b = tmp_path / "runs" / a, tmp_path / "runs" / b
+    held(runs_a, ranks=2)
+    assert table(env, tmp_path)[a]["state"] == "running"
     assert table(env, tmp_path)[b]["state"] in ("pending", "running")
     assert sh(["scancel", "--signal=USR2", a], env).returncode == 0  # a preemption: saved, requeued
-    wait_for(lambda: any(runs_b.glob("checkpoints/step_*")), 120, "job B's first checkpoint")
+    held(runs_b, ranks=1)  # after step 6, step 5 saved
     assert "cancelled" in tool(["cancel", b], env, tmp_path)
     wait_for(lambda: table(env, tmp_path)[a]["state"] in ("requeued", "running")
              and table(env, tmp_path)[a]["attempts"] == 2, 120, "job A's requeue")

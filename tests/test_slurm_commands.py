@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from trainer.core.env import expand_nodelist
 from trainer.runtime.attempts import attempts, figures
 
-from .conftest import ROOT, faults, ok, result_of, run_trainer
+from .conftest import ROOT, faults, held, ok, result_of, run_trainer
 from .test_session import CHAR_LM, last_weights, same
 from .test_slurm import cluster_cmd, job_id_of, job_state, sh, slurm_env, wait_for
 
@@ -60,17 +59,16 @@ def _log_count(log: Path, text: str) -> int:
 
 def test_the_char_lm_submitted_as_a_command_survives_two_preemptions_bit_identically(
         slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """Each of the first two attempts is held after a few steps (a test fault) and warned through Slurm."""
     run = tmp_path / "run"
     cmd = " ".join(["python", str(CHAR_LM), *LM])
-    env = {**slurm_env, "RUN_DIR": str(run), **faults(step_delay_s=0.25)}
+    env = {**slurm_env, "RUN_DIR": str(run), **faults(at={"0": {"wait_at_step": 5}, "1": {"wait_at_step": 7}})}
     proc = sh(["make", "submit", "CLUSTER=dev", "NODES=2", "LAUNCHER=sbatch", f"CMD={cmd}"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
     log = ROOT / "runs" / "slurm" / f"train-{job}.out"
-    for attempt in range(2):  # warn, wait for the requeued attempt to resume, warn again
-        wait_for(lambda a=attempt: job_state(job, slurm_env) == "RUNNING" and _log_count(log, "resumed from") == a
-                 and (run / "config.yaml").exists(), timeout=180, what=f"attempt {attempt + 1} running")
-        time.sleep(4)
+    for attempt in range(2):  # warn, wait for the requeued attempt to be held, warn again
+        held(run, ranks=2, attempt=str(attempt))
         assert sh(["scancel", "--signal=USR2", job], slurm_env).returncode == 0
         wait_for(lambda a=attempt: _log_count(log, "-> preempted: requeue") == a + 1, timeout=120,
                  what=f"requeue {attempt + 1}")
@@ -155,11 +153,16 @@ def test_requeue_on_signal_requeues_a_command_that_ignores_the_warning(
                         "--set", "signal_grace_s=24", "--", "python", str(script)], {**slurm_env, "RUN_DIR": str(run)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
-    wait_for(lambda: job_state(job, slurm_env) == "RUNNING" and run.exists(), what="running")
-    time.sleep(3)
+    logs = [ROOT / p for p in re.findall(r"logs?:\s+(\S+)", proc.stdout)]
+    logs += [p.with_suffix(".err") for p in logs]  # submitit keeps a task's stderr apart
+
+    def said(text: str) -> bool:
+        return any(text in p.read_text(errors="replace") for p in logs if p.exists())
+
+    wait_for(lambda: said("attempt 1: started"), what="the command to start under its wrapper")
     assert sh(["scancel", "--signal=USR2", job], slurm_env).returncode == 0
-    time.sleep(2)
-    assert job_state(job, slurm_env) == "RUNNING"  # the warning alone stops nothing: the deadline (4 s) does
-    wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=120, what="the requeued attempt to finish")
+    wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=180, what="the requeued attempt to finish")
+    # The warning alone stopped nothing: the wrapper did, once the grace (24 s less 20 for the exit) had passed.
+    assert said("trainer.launch: still running 4 s after SIGUSR2: stopping it for a requeue"), logs
     states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
-    assert len(states) == 2, states
+    assert len(states) == 2 and said("attempt 2: started"), states
