@@ -15,7 +15,7 @@ import pytest
 from cluster.sweeps import study as studies
 from cluster.sweeps.worker import record_of
 
-from .conftest import SMALL, faults
+from .conftest import SMALL, faults, go
 from .test_slurm import sh, slurm_env, wait_for
 from .wandb_records import records
 
@@ -46,7 +46,20 @@ def workers_gone(array: str, env: dict[str, str]) -> bool:
     return not sh(["squeue", "-h", "-r", "-j", array], env).stdout.strip()
 
 
-@pytest.mark.slurm_compat
+def release(folder: Path, keep: str | None = None) -> None:
+    """Let every trial held at its ``wait_at_step`` go on, but ``keep`` (a trial's run folder)."""
+    for waiting in folder.glob("trials/*/faults/waiting.*"):
+        run = waiting.parent.parent
+        if str(run) != keep:
+            go(run, waiting.name.split(".")[1])
+
+
+def holds(folder: Path, w: int) -> str | None:
+    """The run folder of worker ``w``'s trial when it is held at its ``wait_at_step`` (else None)."""
+    run = assigned(folder, w).get("run_dir")
+    return str(run) if isinstance(run, str) and any((Path(run) / "faults").glob("waiting.*")) else None
+
+
 def test_a_tpe_sweep_prunes_concentrates_and_survives_a_preempted_worker(slurm_env: dict[str, str],
                                                                         tmp_path: Path) -> None:
     spec = {"name": "tpe", "profile": {"nodes": 1}, "max_parallel": 2, "method": "tpe", "trials": 10, "seed": 1,
@@ -54,15 +67,16 @@ def test_a_tpe_sweep_prunes_concentrates_and_survives_a_preempted_worker(slurm_e
             "pruner_args": {"min_resource": 16, "reduction_factor": 2}, "metric": "test_accuracy", "mode": "max",
             "args": [*ARGS, "data.synthetic_train_size=512", "train.epochs=4", "checkpoint.poll_steps=1"],
             "parameters": {"optim.lr": {"type": "float", "low": 0.0001, "high": 0.5, "log": True}}}
-    env = {**slurm_env, **faults(step_delay_s=0.05)}  # 64 steps of a few ms: a signal lands mid-trial
+    # Every trial of a worker's first attempt is held after step 21 of 64 (a test fault), past its first report: worker
+    # 0's first trial is preempted there, through Slurm; the others are let go.
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 20}})}
     folder, array = submit(spec, env, tmp_path)
-    # Worker 0's first trial, once it has reported an evaluation (step 16 of 64): preempt that worker.
-    wait_for(lambda: isinstance(assigned(folder, 0).get("run_dir"), str)
-             and (Path(str(assigned(folder, 0)["run_dir"])) / "reports.jsonl").exists(), timeout=120,
-             what="worker 0's first report")
+    wait_for(lambda: release(folder, holds(folder, 0)) or holds(folder, 0) is not None, timeout=240,
+             what="worker 0's first trial to be held after its first report")
     preempted = int(assigned(folder, 0)["trial"])  # type: ignore[call-overload]
+    assert (folder / "trials" / str(preempted) / "reports.jsonl").exists()
     assert sh(["scancel", "--signal=USR2", f"{array}_0"], env).returncode == 0
-    wait_for(lambda: workers_gone(array, env), timeout=400, what=f"the workers of {array} to end")
+    wait_for(lambda: release(folder) or workers_gone(array, env), timeout=400, what=f"the workers of {array} to end")
 
     status = sh([sys.executable, "-m", "cluster", "sweep-status", str(folder)], env, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
@@ -120,14 +134,13 @@ def test_a_sweep_in_mariadb_fails_and_reruns_the_trial_of_a_cancelled_worker(
             "args": [*[a for a in ARGS if not a.startswith("tracking.")], "data.synthetic_train_size=512",
                      "train.epochs=2", "tracking.mode=offline"],
             "parameters": {"optim.lr": {"type": "float", "low": 0.001, "high": 0.3, "log": True}}}
-    env = {**slurm_env, **faults(step_delay_s=0.25)}  # 32 steps: about 8 s per trial
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 5}})}  # every trial held after step 6 until let go
     folder, array = submit(spec, env, tmp_path)
     assert not (folder / studies.JOURNAL).exists()  # the study lives in the database
-    wait_for(lambda: all(assigned(folder, w).get("trial") is not None for w in (0, 1)), timeout=120,
-             what="both workers to take a trial")
+    wait_for(lambda: all(holds(folder, w) for w in (0, 1)), timeout=240, what="both workers' trials to be held")
     lost = int(assigned(folder, 1)["trial"])  # type: ignore[call-overload]
     assert sh(["scancel", f"{array}_1"], env).returncode == 0  # cancelled: never requeued, its trial stays RUNNING
-    wait_for(lambda: workers_gone(array, env), timeout=300, what=f"the workers of {array} to end")
+    wait_for(lambda: release(folder) or workers_gone(array, env), timeout=300, what=f"the workers of {array} to end")
 
     study = studies.open_study(record_of(folder), folder)
     states = {t.number: t.state.name for t in study.trials}
