@@ -7,12 +7,11 @@ import fcntl
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL, exported, faults
+from .conftest import ROOT, SMALL, exported, faults, held
 from .test_slurm import cluster_cmd, job_id_of, job_state, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture, imported for the Slurm tests below
@@ -88,20 +87,19 @@ def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, st
     env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
     run = tmp_path / "run"
     proc = cluster_cmd(["--launcher", "sbatch", "--set", "container.runtime=docker", "--set", f"container.image={image}",
-                        "--", *SMALL, "train.epochs=20", f"run.dir={run}"], {**env, **faults(step_delay_s=0.2)})
+                        "--", *SMALL, f"run.dir={run}"], {**env, **faults(wait_at_step=3)})  # held until cancelled
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
 
     def containers() -> list[str]:
         return docker(["ps", "-a", "-q", "--filter", f"name=train-{job}-"], env).stdout.split()
 
-    wait_for(lambda: len(containers()) == 2, timeout=120, what="both task containers")
-    wait_for(lambda: (run / "config.yaml").exists(), timeout=120, what="training to start")
+    held(run, ranks=2)
+    assert len(containers()) == 2
     assert subprocess.run(["scancel", job], env=env).returncode == 0
-    wait_for(lambda: containers() == [], timeout=60, what="the containers to be removed")
-    wait_for(lambda: job_state(job, env) in ("CANCELLED", "CANCELLED+"), timeout=60, what="CANCELLED")
-    time.sleep(2)
-    assert containers() == []
+    wait_for(lambda: containers() == [], timeout=120, what="the containers to be removed")
+    wait_for(lambda: job_state(job, env) in ("CANCELLED", "CANCELLED+"), timeout=120, what="CANCELLED")
+    assert containers() == []  # none started after the job's end either
 
 
 def test_commands_run_in_the_image_and_get_the_warning_through_its_init(
@@ -120,11 +118,10 @@ def test_commands_run_in_the_image_and_get_the_warning_through_its_init(
     lm = ["python", "examples/char_lm/train.py", "--max-steps", "40", "--eval-every", "1000", "--max-bytes", "40000",
           "--batch-size", "8", "--sample", "0", "tracking.mode=disabled", "checkpoint.poll_steps=1"]
     proc = cluster_cmd(["--launcher", "sbatch", *docker_set, "--", *lm],
-                       {**env, "RUN_DIR": str(run), **faults(step_delay_s=0.25)})
+                       {**env, "RUN_DIR": str(run), **faults(at={"0": {"wait_at_step": 5}})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = job_id_of(proc.stdout)
-    wait_for(lambda: (run / "config.yaml").exists() and job_state(job, env) == "RUNNING", timeout=120, what="training")
-    time.sleep(4)
+    held(run, ranks=2)
     assert subprocess.run(["scancel", "--signal=USR2", job], env=env).returncode == 0
     wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the requeued attempt to finish")
     result = json.loads((run / "result.json").read_text())
