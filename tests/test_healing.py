@@ -19,20 +19,11 @@ import pytest
 from benchmarks.common import processes
 
 from .conftest import ROOT, SMALL, faults, go, held
-from .test_slurm import cluster_cmd, idle, job_id_of, job_state, sh, slurm_env, wait_for
+from .test_slurm import cluster_cmd, idle, job_id_of, job_state, reference, sh, slurm_env, wait_for
 
-__all__ = ["slurm_env"]  # the fixture, shared with test_slurm
+__all__ = ["reference", "slurm_env"]  # the fixtures, shared with test_slurm
 
 SLOW = [*SMALL, "train.epochs=2", "checkpoint.every_steps=3"]
-
-
-@pytest.fixture(scope="module")
-def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The parameter checksum of the same training, uninterrupted."""
-    ref = tmp_path_factory.mktemp("ref") / "run"
-    proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SLOW, f"run.dir={ref}"], slurm_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return str(json.loads((ref / "result.json").read_text())["param_checksums"][0])
 
 
 def submit(env: dict[str, str], launcher: str, args: list[str], sets: list[str] = ()) -> str:  # type: ignore[assignment]
@@ -77,7 +68,7 @@ def finished(run: Path, job: str, env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads((run / "result.json").read_text()))
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("sbatch", marks=pytest.mark.slurm_compat), "submitit"])
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
 def test_a_killed_rank_is_blamed_excluded_and_the_job_ends_as_if_uninterrupted(
         slurm_env: dict[str, str], tmp_path: Path, reference: str, launcher: str) -> None:
     """Rank 1 SIGKILLed from outside while the ranks are held after step 5 (step 3 saved): srun's words for it (which
