@@ -19,7 +19,7 @@ from benchmarks.common import pairs, spread
 def _state(model_name: str, device: str = "cpu") -> dict[str, Any]:
     """A model's and its SGD momentum's state after one step on ``device``, as a run checkpoints it."""
     from trainer.builtin.models import build_model
-    from trainer.core.config import ModelConfig
+    from trainer.core.schema import ModelConfig
 
     if model_name == "linear8192":  # one 8192×8192 layer: 537 MB of weights and momentum
         model: torch.nn.Module = torch.nn.Linear(8192, 8192)

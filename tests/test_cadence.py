@@ -210,8 +210,8 @@ class Clock:
 
 def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0, clock: Clock | None = None,
             **cfg: object):  # type: ignore[no-untyped-def]
-    from trainer.core.config import CheckpointConfig
     from trainer.core.env import DistEnv
+    from trainer.core.schema import CheckpointConfig
     from trainer.runtime.preemption import Preemption, SavePolicy
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")

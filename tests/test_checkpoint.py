@@ -259,8 +259,8 @@ def test_out_of_memory_while_setting_up_goes_through_the_same_handler(tmp_path: 
 
 def test_out_of_memory_message_survives_an_empty_exception_text() -> None:
     from trainer.builtin.train import out_of_memory
-    from trainer.core.config import Config
     from trainer.core.env import DistEnv
+    from trainer.core.schema import Config
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
     for setup in (False, True):

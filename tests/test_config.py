@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.core.config import Config, help_text, load
+from trainer.core.config import help_text, load
 from trainer.core.config_help import field_docs
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 from . import warm
 from .conftest import clean_env

@@ -18,7 +18,7 @@ from trainer.core.legacy import LEGACY
 from trainer.runtime.batches import check_worlds
 
 if TYPE_CHECKING:
-    from trainer.core.config import Config
+    from trainer.core.schema import Config
 
 
 def suspect_nodes(p: Profile) -> list[str]:

@@ -13,8 +13,8 @@ from trainer.builtin import targets as plugins
 from trainer.builtin.data import Data, build_data
 from trainer.builtin.models import build_model, check_input
 from trainer.builtin.task import Classification, Task
-from trainer.core.config import Config
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 
 @dataclass

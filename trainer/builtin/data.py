@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 
 from trainer.builtin import targets as plugins
-from trainer.core.config import Config
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 from trainer.data import ShardError, Shards
 from trainer.runtime.loader import InMemory
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.builtin import targets as plugins
-from trainer.core.config import ModelConfig
 from trainer.core.errors import UserError
+from trainer.core.schema import ModelConfig
 
 
 class SmallCNN(nn.Module):

@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from trainer.core.config import Config
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 
 def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.device, step: int, epoch: int = 0,

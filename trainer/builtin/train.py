@@ -18,10 +18,10 @@ from trainer.builtin.build import Parts, build_parts
 from trainer.builtin.metrics import Meter, progress_bar, reduce_sums
 from trainer.builtin.oom import out_of_memory
 from trainer.builtin.task import batch_size, split_output, to_device
-from trainer.core.config import Config
 from trainer.core.dist import gather, say
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 from trainer.runtime.loader import InMemory
 from trainer.runtime.session import PerRank, Session
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.layout import EXTRA, committed, find_resumable
-from trainer.core.config import Config
 from trainer.core.dist import on_main
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 
 @dataclass

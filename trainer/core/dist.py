@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.core.config import Config
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 _HOST_GROUP: Any = None
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.core.config import Config
 from trainer.core.env import DistEnv, HostFacts, JobInfo, host_facts, job_info
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "skip"
 NODE = host_facts().node

@@ -25,6 +25,7 @@ from trainer.core import config as config_mod
 from trainer.core import exits
 from trainer.core.env import DistEnv, discover, host_facts, job_info, without_placement
 from trainer.core.errors import UserError, recorded
+from trainer.core.schema import Config
 from trainer.doctor.checks import (
     FAIL,
     PASS,
@@ -148,7 +149,7 @@ def _record(rank: int, host: str, checks: list[Check], code: int) -> None:
     exits.ended(code, info, phase="doctor", rank=rank)
 
 
-def _checked(cfg: config_mod.Config, env: DistEnv, checks: list[Check], host: str) -> int:
+def _checked(cfg: Config, env: DistEnv, checks: list[Check], host: str) -> int:
     """The collective part of :func:`run`: 0 when every check passed on every rank, else 1."""
     from trainer.core import dist as tdist
 
@@ -167,7 +168,7 @@ def _checked(cfg: config_mod.Config, env: DistEnv, checks: list[Check], host: st
     return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
 
 
-def _start_group(cfg: config_mod.Config, env: DistEnv, checks: list[Check],
+def _start_group(cfg: Config, env: DistEnv, checks: list[Check],
                  host: str) -> tuple[torch.device, Path | None] | None:
     """The device and the process group (NCCL's debug log on GPUs); None, with a failed row added, when it fails."""
     from trainer.core import dist as tdist
@@ -195,7 +196,7 @@ def _start_group(cfg: config_mod.Config, env: DistEnv, checks: list[Check],
     return device, debug_dir
 
 
-def _collective_checks(cfg: config_mod.Config, env: DistEnv, device: torch.device, debug_dir: Path | None,
+def _collective_checks(cfg: Config, env: DistEnv, device: torch.device, debug_dir: Path | None,
                        checks: list[Check], host: str) -> list[Check] | None:
     """The checks that need every rank, then every rank's rows gathered and printed by rank 0; None, with the
     failed check's row replaced in ``checks``, when a peer dies or a collective times out."""

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core import exits
-from trainer.core.config import Config
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 from trainer.runtime.replay import Replay, digest
 from trainer.testing.faults import Faults
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.core.config import CheckpointConfig
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
+from trainer.core.schema import CheckpointConfig
 from trainer.runtime.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cadence, Deadline, longest_save_s
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from torch import nn
 
 from trainer.checkpoint.resume import Resumed, durable_step, find
 from trainer.checkpoint.state import restore_objects
-from trainer.core.config import Config
 from trainer.core.env import DistEnv
+from trainer.core.schema import Config
 from trainer.runtime.loader import Loader
 from trainer.runtime.snapshots import Snapshots
 

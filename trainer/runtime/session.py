@@ -38,11 +38,12 @@ from trainer.checkpoint.resume import Resumed
 from trainer.checkpoint.state import STATE_VERSION, PerRank, check_names, check_plain, collect, own_fields
 from trainer.core import dist as tdist
 from trainer.core import exits
-from trainer.core.config import Config, load, to_dict, to_yaml
+from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
+from trainer.core.schema import Config
 from trainer.runtime import attempts
 from trainer.runtime.audit import Audit
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
@@ -285,9 +286,8 @@ class Session:
         """Whether to save now: a preemption signal or the job's time limit near (both then leave the loop:
         ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
-        # Test faults (TRAINER_FAULTS) count the steps of this process, as a signal arrives some time after a start.
-        self.request_stop(self.faults.after_step(self.steps_here + 1, self.job.warning_signal or "SIGUSR2", self.env.rank))
-        self.faults.wait(self.steps_here + 1, self.env.rank, self.run_dir, self._released)
+        self.request_stop(self.faults.step_end(self.steps_here + 1, self.env.rank, self.job.warning_signal or "SIGUSR2",
+                                               self.run_dir, self.heartbeat.alive, lambda: bool(self.preemption.signum)))
         self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
         poll = self.saves.policy.poll(step, force_poll)
         _opened(self._audit).after_step(step, poll.compute)
@@ -303,11 +303,6 @@ class Session:
         if self._snapshots and not (poll.due or self.preempted) and self._snapshots.due(step):
             self._snapshots.take(*self._state(step), step)
         return poll.due or self.preempted
-
-    def _released(self) -> bool:
-        """For the ``wait_at_step`` test fault: a signal came (the wait is no hang)."""
-        self.heartbeat.alive()
-        return bool(self.preemption.signum)
 
     @property
     def preempted(self) -> bool:
@@ -368,7 +363,6 @@ class Session:
                             | {"global_step": self.step} | goodput)
         return 0
 
-    # ---- teardown ----------------------------------------------------------------------------
     def close(self, exit_code: int = 0) -> None:
         """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
         try:

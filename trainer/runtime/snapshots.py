@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.memory import KEEP, MemorySnapshots, place
-from trainer.core.config import Config
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.errors import UserError
+from trainer.core.schema import Config
 from trainer.runtime.cadence import history
 
 FIRST_EVERY = 10

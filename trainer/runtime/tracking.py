@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.core.config import Config
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.files import write_json
+from trainer.core.schema import Config
 
 STATE_EVERY_S = 30.0
 """How stale the last logged step in tracking.json may grow while metrics are logged between checkpoints."""

@@ -121,6 +121,14 @@ class Faults:
         if done == self.hang_at_step and rank == self.hang_rank:
             _stuck_for_test()
 
+    def step_end(self, done: int, rank: int, preemption_signal: str, run_dir: Path, alive: Callable[[], None],
+                 signalled: Callable[[], bool]) -> int:
+        """At the end of this process's step ``done`` (counted in this process, as a signal arrives some time after a
+        start), before the ranks agree on saving: the faults of that moment; a signal number to act on (0: none)."""
+        signum = self.after_step(done, preemption_signal, rank)
+        self.wait(done, rank, run_dir, alive, signalled)
+        return signum
+
     def after_step(self, done: int, preemption_signal: str, rank: int = -1) -> int:
         """Called with the count of finished steps; returns a signal number to act on (0: none)."""
         if done == self.kill_at_step + 1 and rank == self.kill_rank:
@@ -134,14 +142,16 @@ class Faults:
         return 0
 
 
-    def wait(self, done: int, rank: int, run_dir: Path, released: Callable[[], bool]) -> None:
-        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go.<attempt>`` exists."""
+    def wait(self, done: int, rank: int, run_dir: Path, alive: Callable[[], None], released: Callable[[], bool]) -> None:
+        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go.<attempt>`` exists,
+        calling ``alive()`` meanwhile (a held rank is no hang)."""
         if done != self.wait_at_step + 1:
             return
         folder, attempt = run_dir / "faults", attempt_id()
         folder.mkdir(exist_ok=True)
         (folder / f"waiting.{attempt}.{rank}").touch()
         while not released() and not (folder / f"go.{attempt}").exists():
+            alive()
             time.sleep(0.05)
 
 
