@@ -67,12 +67,12 @@ DEADLINE_ARGS = [*SMALL, "train.epochs=3", "checkpoint.poll_steps=1"]
 
 def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_an_uninterrupted_one(
         tmp_path: Path) -> None:
-    """The job ends 40 s after the session starts; a save keeps about 22 s (two saves of a second, a step, 20 s for
+    """The job ends 30 s after the session starts; a save keeps about 22 s (two saves of a second, a step, 20 s for
     the exit and the requeue): the ranks save once the time left is below that, at some step, exit 75 and resume.
     When exactly is the margin's arithmetic, tested with a clock below; here, that the save came before the end."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(run_trainer([*DEADLINE_ARGS, f"run.dir={ref}"], tmp_path, nproc=2))
-    ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=40, step_delay_s=0.5))
+    ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=30, step_delay_s=0.5))
     outs = [p.communicate(timeout=240)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [75, 75], outs[0]
     assert "the time limit is near: saved" in outs[0]

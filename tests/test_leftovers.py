@@ -42,7 +42,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def run_inner(tmp_path: Path, text: str, env: dict[str, str], timeout: int = 10) -> subprocess.CompletedProcess[str]:
+def run_inner(tmp_path: Path, text: str, env: dict[str, str], timeout: int = 6) -> subprocess.CompletedProcess[str]:
     """pytest on one file with this suite's leftovers plugin and a ``timeout`` (seconds: the hung test's processes
     have started long before it, on a machine four times as slow too)."""
     (tmp_path / "test_inner.py").write_text(text)

@@ -100,17 +100,22 @@ def test_what_a_fork_cannot_give_gets_a_new_interpreter(tmp_path: Path) -> None:
 @forked_only
 def test_a_timeout_kills_its_session_and_keeps_what_was_read(tmp_path: Path) -> None:
     """A descendant holding the output pipe does not keep ``run`` waiting past its timeout."""
-    script = tmp_path / "holds.py"
-    script.write_text("import subprocess, sys, time\nprint('begun', flush=True)\n"
+    script, begun = tmp_path / "holds.py", tmp_path / "begun"
+    script.write_text("import pathlib, subprocess, sys, time\nprint('begun', flush=True)\n"
+                      f"pathlib.Path({str(begun)!r}).touch()\n"
                       "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)")
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         warm.run([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                  timeout=3)
     assert time.monotonic() - start < 40  # not the 60 s its descendant holds the pipe
+    begun.unlink(missing_ok=True)
     proc = warm.Popen([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not begun.exists() and time.monotonic() < deadline:  # its line is written: a timeout now keeps it
+        time.sleep(0.05)
     with pytest.raises(subprocess.TimeoutExpired) as expired:
-        proc.communicate(timeout=15)
+        proc.communicate(timeout=1)
     assert expired.value.output == "begun\n"
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.communicate(timeout=30)[0] == "begun\n" and proc.returncode == -signal.SIGKILL
