@@ -1,4 +1,4 @@
-"""What the audits cost and whether they cry wolf (trainer/runtime/audit.py, section 12 of docs/benchmarks.md).
+"""What the audits cost and whether they cry wolf (trainer/runtime/health/audit.py, section 12 of docs/benchmarks.md).
 
 Overhead: the built-in trainer on 2 gloo processes with the audits at their defaults (compute times at every poll,
 the replicas compared before every save, here every 50 steps) against the same run with both off, and with the

@@ -1,5 +1,5 @@
 """Checkpoint cadence under simulated interruptions: the time lost (recomputed work + saving) by the auto cadence
-(`trainer/runtime/cadence.py`, Young/Daly) against fixed intervals, on the same interruption sequences.
+(`trainer/runtime/saving/cadence.py`, Young/Daly) against fixed intervals, on the same interruption sequences.
 
 A simulation, not a timing: a job needs ``WORK_H`` hours of training; interruptions arrive as a Poisson process of
 mean ``mtbf``; every interval of training ends with a save that stalls ``stall`` seconds (an interruption during it
@@ -15,7 +15,7 @@ import random
 import statistics
 from typing import Any
 
-from trainer.runtime.cadence import interval_s
+from trainer.runtime.saving.cadence import interval_s
 
 WORK_H = 100.0
 SCENARIOS = ((2.0, 4.0), (30.0, 4.0), (2.0, 48.0))

@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, dev_cluster_env, machine, processes, standalone
 from benchmarks.recovery import events_of, wait_until
-from trainer.runtime.attempts import attempts, figures, recoveries
+from trainer.runtime.records.attempts import attempts, figures, recoveries
 
 ARGS = ["data.synthetic_train_size=8192", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=8",
         "train.log_every=50", "tracking.mode=disabled", "checkpoint.every_steps=100", "checkpoint.poll_steps=1",

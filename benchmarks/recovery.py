@@ -2,7 +2,7 @@
 
 Each run: the built-in trainer on 2 nodes (durable saves every 10 steps, memory snapshots every 2), one rank
 SIGKILLed from outside once a snapshot newer than the last save exists; measured from the run's events: the kill to
-the first step of the next attempt, and that recovery's phases (trainer/runtime/attempts.py ``recoveries``).
+the first step of the next attempt, and that recovery's phases (trainer/runtime/records/attempts.py ``recoveries``).
 
 - requeue: a plain 2-node job (no snapshots: the next allocation restores from the durable checkpoint);
 - spare: ``spare_nodes=1``, the next attempt starts at once on the spare, restoring from node memory;
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, processes, show, spread, standalone
-from trainer.runtime.attempts import PHASES, attempts, recoveries
+from trainer.runtime.records.attempts import PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
         "train.log_every=8", "tracking.mode=disabled", "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2",
@@ -143,7 +143,7 @@ def section(r: dict[str, Any] | None) -> list[str]:
     out += [f"Measured by `{r['command']}` on {r['date']} ({m['cpu']}, {m['cores']} cores): the dev cluster's 2-node "
             "jobs (every node a slurmd on this one machine), one rank SIGKILLed from outside after a memory snapshot "
             "newer than the last durable save; seconds from the kill to the next attempt's first step, median (min–max) "
-            "over the runs, and the median of each phase (trainer/runtime/attempts.py).", "",
+            "over the runs, and the median of each phase (trainer/runtime/records/attempts.py).", "",
             "| path | restored from | kill → first step (s) | " + " | ".join(PHASES) + " | steps recomputed |",
             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
     for path in ("spare", "shrink", "requeue", "torchrun"):

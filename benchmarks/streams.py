@@ -28,7 +28,7 @@ def ours(folder: Path, workers: int, window: int | None = 1000) -> Any:
     from trainer.builtin.data import labelled_image
     from trainer.core.env import DistEnv
     from trainer.data import Shards
-    from trainer.runtime.loader import Loader
+    from trainer.data.loader import Loader
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, None, "torchrun")
     loader = Loader(Shards(folder, transform=labelled_image, shuffle_window=window), env, BATCH, 0, None,

@@ -1,6 +1,6 @@
 """The requeue path on each Slurm version the dev cluster runs (this machine's 22.05; 24.11 and 26.05 from Debian
 roots): a 2-node job, one rank SIGKILLed, the verdict requeues it without that node; seconds from the failed
-attempt's end (srun returned) to the next attempt's first step, by phase (trainer/runtime/attempts.py). Where the
+attempt's end (srun returned) to the next attempt's first step, by phase (trainer/runtime/records/attempts.py). Where the
 version offers it and the cluster enables it (26.05 here), the job asked for an expedited requeue.
 
 ``python -m benchmarks.versions`` writes docs/benchmarks-versions.json and section 11 of docs/benchmarks.md; a version

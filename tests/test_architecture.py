@@ -27,8 +27,14 @@ def test_the_tree_keeps_every_contract() -> None:
 
 
 PLANTED = [  # (file, line added, what the report must say)
-    ("trainer/runtime/loader.py", "from trainer.builtin import train",
+    ("trainer/runtime/session.py", "from trainer.builtin import train",
      "trainer.runtime is not allowed to import trainer.builtin"),
+    ("trainer/data/loader.py", "from trainer.testing import faults",  # test faults act through core/hooks.py only
+     "trainer.data is not allowed to import trainer.testing"),
+    ("trainer/runtime/health/audit.py", "def f():\n    import trainer.runtime.saving.policy",
+     "trainer.runtime.health is not allowed to import trainer.runtime.saving"),
+    ("trainer/runtime/poll.py", "import trainer.runtime.records.attempts",
+     "trainer.runtime.poll is not allowed to import trainer.runtime.records"),
     ("trainer/core/files.py", "def f():\n    import trainer.runtime.session",  # a function-level import counts
      "trainer.core is not allowed to import trainer.runtime"),
     ("trainer/runtime/fsdp.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.doctor.run",
@@ -40,7 +46,7 @@ PLANTED = [  # (file, line added, what the report must say)
     ("trainer/checkpoint/layout.py", "def f():\n    import trainer.checkpoint.file",
      "No cycles are allowed in trainer.checkpoint"),
     ("cluster/sweeps/trials.py", "def f():\n    import cluster.sweeps.status", "No cycles are allowed in cluster"),
-    ("trainer/data/shards.py", "import trainer.runtime.loader", "trainer.data is not allowed to import trainer.runtime"),
+    ("trainer/data/shards.py", "import trainer.runtime.session", "trainer.data is not allowed to import trainer.runtime"),
     ("cluster/sweeps/folder.py", "import cluster.launch.render", "cluster.sweeps.worker is not allowed to import cluster.launch"),
     ("cluster/job/ledger.py", "import cluster.launch.submit", "cluster.job is not allowed to import cluster.launch"),
     ("cluster/runs/logs.py", "import cluster.sweeps.study", "cluster.runs is not allowed to import cluster.sweeps"),

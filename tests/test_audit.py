@@ -1,4 +1,4 @@
-"""Fail-slow and silent corruption (trainer/runtime/audit.py): the straggler detector's rule, the replicas' digest,
+"""Fail-slow and silent corruption (trainer/runtime/health/audit.py): the straggler detector's rule, the replicas' digest,
 and real gloo runs of the built-in trainer with a slow rank and a flipped bit (TRAINER_FAULTS)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.runtime.audit import EXIT_AUDIT, Detector, digest, outliers
+from trainer.runtime.health.audit import EXIT_AUDIT, Detector, digest, outliers
 from trainer.testing.faults import Faults
 
 from .conftest import ROOT, SMALL, faults, ok, result_of, spawn_ranks, wait_ranks
@@ -86,14 +86,15 @@ def test_the_ranks_outside_the_majority_are_the_odd_ones(digests: list[int], odd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_digest_changes_with_one_flipped_bit(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    params = [torch.randn(7, 5, dtype=dtype), torch.randn(3, dtype=dtype)]
+    model = torch.nn.ParameterList([torch.randn(7, 5, dtype=dtype), torch.randn(3, dtype=dtype)])
+    params = list(model.parameters())
     before = digest(params)
     assert digest([p.clone() for p in params]) == before
-    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=4)
+    Faults(flip_at_step=4, flip_rank=0).flip(model, rank=0, step=4)
     assert digest(params) != before
-    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=1, step=4)  # another rank, or another step: untouched
-    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=5)
-    Faults(flip_at_step=4, flip_rank=0).flip(params, rank=0, step=4)  # the same bit back
+    Faults(flip_at_step=4, flip_rank=0).flip(model, rank=1, step=4)  # another rank, or another step: untouched
+    Faults(flip_at_step=4, flip_rank=0).flip(model, rank=0, step=5)
+    Faults(flip_at_step=4, flip_rank=0).flip(model, rank=0, step=4)  # the same bit back
     assert digest(params) == before
 
 

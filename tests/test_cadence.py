@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cluster.job.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
-from trainer.runtime.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
+from trainer.runtime.saving.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
 from . import warm
 from .conftest import ROOT, SMALL, clean_env, faults, go, held, ok, result_of, run_trainer, spawn_ranks
@@ -149,7 +149,7 @@ def test_fixed_cadence_keeps_its_saves(tmp_path: Path) -> None:
 
 def test_the_report_sets_the_loss_the_cadence_expected_against_the_loss_seen(tmp_path: Path) -> None:
     from trainer.report import table
-    from trainer.runtime.attempts import attempts, figures
+    from trainer.runtime.records.attempts import attempts, figures
 
     _events(tmp_path, [
         {"t": 0.0, "event": "attempt", "started": 0.0, "resumed_step": 0, "processes": 1},
@@ -179,7 +179,7 @@ def test_attempts_killed_without_a_save_shorten_the_interval_of_the_next(tmp_pat
     assert "(2 seen, prior 60 min)" in line, line
     ran, lost, stalls = history(run)
     assert lost == 2 and ran > 0 and stalls
-    from trainer.runtime.attempts import attempts, figures
+    from trainer.runtime.records.attempts import attempts, figures
 
     # Each attempt's first cadence line is filed under it, not under the attempt before: it counts the interruptions
     # before it (0, 1, 2, 2) in its time between them, (prior 3600 s + the seconds run) / (interruptions + 1).
@@ -212,7 +212,8 @@ def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0, c
             **cfg: object):  # type: ignore[no-untyped-def]
     from trainer.core.env import DistEnv
     from trainer.core.schema import CheckpointConfig
-    from trainer.runtime.preemption import Preemption, SavePolicy
+    from trainer.runtime.saving.policy import SavePolicy
+    from trainer.runtime.saving.signals import Preemption
 
     env = DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, None, "single")
     config = CheckpointConfig(async_save=async_save, **{"poll_steps": 1, **cfg})  # type: ignore[arg-type]
@@ -221,7 +222,7 @@ def _policy(left: float | None, async_save: bool = False, save_s: float = 1.0, c
 
 
 def test_the_deadline_margin_covers_the_longest_blocking_save_and_the_steps_to_the_next_poll() -> None:
-    from trainer.runtime.cadence import SLACK_S
+    from trainer.runtime.saving.cadence import SLACK_S
 
     clock = Clock()
     p = _policy(left=1000.0, clock=clock)
@@ -268,7 +269,7 @@ def test_the_auto_cadence_counts_the_time_this_attempt_has_run(tmp_path: Path) -
 
 
 def test_the_deadline_counts_down_on_the_wall_clock() -> None:
-    from trainer.runtime.cadence import Deadline
+    from trainer.runtime.saving.cadence import Deadline
 
     wall = Clock()
     d = Deadline("42", end_in_s=90, wall=wall)
@@ -291,7 +292,7 @@ def test_a_warning_signal_near_the_limit_is_the_limits(left: float | None, grace
 
 def test_the_end_time_comes_from_squeue_and_a_missing_one_is_none(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.runtime.cadence import _end_time
+    from trainer.runtime.saving.cadence import _end_time
 
     fake = tmp_path / "squeue"
     fake.write_text('#!/bin/sh\n[ "$SLURM_TIME_FORMAT" = %s ] && [ "$3" = 42 ] && echo 1795600000 || echo Unknown\n')

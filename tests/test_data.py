@@ -14,7 +14,7 @@ from trainer.builtin.data import build_data
 from trainer.core.config import load
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
-from trainer.runtime.samplers import ResumableSampler, ShardSampler
+from trainer.data.samplers import ResumableSampler, ShardSampler
 
 from .conftest import ROOT, clean_env, ok
 

@@ -11,9 +11,9 @@ import torch
 
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
-from trainer.runtime.batches import check_worlds, plan
-from trainer.runtime.loader import Loader
-from trainer.runtime.samplers import GlobalBatchSampler
+from trainer.data.batches import check_worlds, plan
+from trainer.data.loader import Loader
+from trainer.data.samplers import GlobalBatchSampler
 
 from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
 
@@ -220,7 +220,7 @@ def test_the_out_of_memory_hint_halves_the_micro_batch_the_global_batch_derived(
 
 def test_the_report_shows_each_attempts_world_size(tmp_path: Path) -> None:
     from trainer.report import table
-    from trainer.runtime.attempts import attempts, figures
+    from trainer.runtime.records.attempts import attempts, figures
 
     lines = [{"t": 1.0, "event": "attempt", "started": 1.0, "nodes": 2, "processes": 2, "resumed_step": 0},
              {"t": 2.0, "event": "exit", "code": 75, "step": 5},

@@ -115,7 +115,7 @@ def test_compute_time_on_a_gpu_comes_from_cuda_events() -> None:
     would see only the kernel launches; the events see the kernels (backward excluded by design)."""
     import time
 
-    from trainer.runtime.audit import Meter
+    from trainer.runtime.health.audit import Meter
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()
@@ -139,7 +139,7 @@ def test_compute_time_on_a_gpu_comes_from_cuda_events() -> None:
 
 REPLAY_ON_GPU = """
 import sys, torch, torchvision
-from trainer.runtime.replay import digest, recompute
+from trainer.runtime.health.replay import digest, recompute
 torch.use_deterministic_algorithms(True)
 torch.backends.cudnn.benchmark = False
 device = torch.device("cuda")

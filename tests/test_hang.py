@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from trainer.core.env import DistEnv
-from trainer.runtime import heartbeat
-from trainer.runtime.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
+from trainer.runtime.health import heartbeat
+from trainer.runtime.health.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
 
 from .conftest import SMALL, faults, ok, run_trainer, spawn_ranks
 

@@ -1,4 +1,4 @@
-"""The replay audit (trainer/runtime/replay.py): a step computed again from what its rank captured gives the same
+"""The replay audit (trainer/runtime/health/replay.py): a step computed again from what its rank captured gives the same
 gradients bit for bit, a faulty rank's flipped gradient bit is found and that rank named, in-process for 20 seeds and
 for real on 3 gloo ranks (TRAINER_FAULTS grad_flip_*)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.runtime.audit import EXIT_AUDIT
-from trainer.runtime.replay import _cpu, _rng, digest, judge, recompute
+from trainer.runtime.health.audit import EXIT_AUDIT
+from trainer.runtime.health.replay import _cpu, _rng, digest, judge, recompute
 from trainer.testing.faults import Faults
 
 from .conftest import SMALL, faults, ok, result_of, run_trainer

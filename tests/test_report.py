@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 
 from trainer.core.events import read
-from trainer.runtime.attempts import PHASES, attempts, describe_recovery, figures
+from trainer.runtime.records.attempts import PHASES, attempts, describe_recovery, figures
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
 from .test_tracking import run_files

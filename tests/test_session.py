@@ -9,12 +9,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainer.checkpoint import file as ckpt
 from trainer.checkpoint import layout
 
-from .conftest import ROOT, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
 from .test_tracking import run_files
 from .wandb_records import summary
 
@@ -148,6 +149,17 @@ def test_session_errors_are_clear(tmp_path: Path) -> None:
     proc = ok(run_trainer([], tmp_path, script=script), code=2)
     assert proc.stderr.startswith("error: optim.lrr: unknown key") and "HINT:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["audit.replay_every_steps=10"], "error: audit.replay_every_steps: needs DDP replicas"),
+    (["run.dir=runs/x", "optim.lrr=1"], "error: optim.lrr: unknown key"),
+])
+def test_bad_input_writes_nothing(tmp_path: Path, args: list[str], said: str) -> None:
+    """Refused before the run starts (exit 2 and a HINT): no run folder, no config.yaml, no events.jsonl."""
+    proc = ok(run_trainer([*SMALL, *args], tmp_path), code=2)
+    assert said in proc.stderr and "HINT:" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
 
 
 def test_a_checkpoint_of_another_layout_is_refused_with_a_hint(tmp_path: Path) -> None:

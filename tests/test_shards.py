@@ -15,8 +15,8 @@ import pytest
 
 from trainer.core.env import DistEnv
 from trainer.data import ShardError, Shards, Tokens
-from trainer.runtime.batches import plan
-from trainer.runtime.loader import Loader, shutdown_workers
+from trainer.data.batches import plan
+from trainer.data.loader import Loader, shutdown_workers
 
 from .conftest import ROOT, ok, run_trainer
 from .shard_files import add, ident, write

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.core.env import expand_nodelist
-from trainer.runtime.attempts import attempts, figures
+from trainer.runtime.records.attempts import attempts, figures
 
 from .conftest import ROOT, faults, held, ok, result_of, run_trainer
 from .test_session import CHAR_LM, last_weights, same

@@ -74,7 +74,7 @@ class Watch:
 
 def _mark_requeue(env: DistEnv, reason: str) -> None:
     """Rank 0 leaves the requeue marker in $RUN_DIR (unless the command left its own)."""
-    from trainer.runtime.rundir import REQUEUE_MARKER  # here: importing it imports torch, which the wrapper needs no more
+    from trainer.runtime.records.rundir import REQUEUE_MARKER  # here: importing it imports torch, which the wrapper needs no more
 
     run_dir = job_info().run_dir
     if env.rank or env.node_rank or not run_dir:

@@ -2,7 +2,7 @@
 
 Written next to the log (``report.html``, ``report-*.png``; the HTML embeds the plots, no network needed) at the
 end of every run (the session runs ``python -m trainer.report --end-of-run``), and on demand (``make report RUN=…``).
-The figures (goodput and its parts) come from ``trainer.runtime.attempts``.
+The figures (goodput and its parts) come from ``trainer.runtime.records.attempts``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from trainer.core.errors import EXIT_BAD_INPUT
 from trainer.core.events import EVENTS
-from trainer.runtime.attempts import Attempt, attempts, describe_recovery, figures
+from trainer.runtime.records.attempts import Attempt, attempts, describe_recovery, figures
 
 COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("nodes", "{}"), ("processes", "{}"), ("exit", "{}"), ("ended", "{}"),
            ("blamed", "{}"),

@@ -15,7 +15,7 @@ from cluster.launch.submission import Submission
 from cluster.profile import Profile
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
-from trainer.runtime.batches import check_worlds
+from trainer.data.batches import check_worlds
 
 if TYPE_CHECKING:
     from trainer.core.schema import Config

@@ -27,8 +27,8 @@ from cluster.runs.table import (
 )
 from trainer.core.errors import UserError
 from trainer.core.events import read as read_events
-from trainer.runtime.attempts import attempts as attempts_of
-from trainer.runtime.attempts import audit_lines, describe_recovery, recoveries
+from trainer.runtime.records.attempts import attempts as attempts_of
+from trainer.runtime.records.attempts import audit_lines, describe_recovery, recoveries
 
 
 def resolve(ref: str) -> Record:

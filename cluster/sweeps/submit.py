@@ -32,7 +32,7 @@ from cluster.sweeps.status import finish, read_sweep
 from cluster.sweeps.trials import columns, show
 from trainer.core.errors import UserError
 from trainer.core.files import write_json
-from trainer.runtime.batches import check_worlds
+from trainer.data.batches import check_worlds
 
 
 def candidates(spec: SweepSpec) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from trainer.builtin import targets as plugins
 from trainer.core.errors import UserError
 from trainer.core.schema import Config
 from trainer.data import ShardError, Shards
-from trainer.runtime.loader import InMemory
+from trainer.data.loader import InMemory
 
 
 @dataclass

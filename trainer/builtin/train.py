@@ -22,7 +22,7 @@ from trainer.core.dist import gather, say
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.core.schema import Config
-from trainer.runtime.loader import InMemory
+from trainer.data.loader import InMemory
 from trainer.runtime.session import PerRank, Session
 
 

@@ -13,14 +13,14 @@ if TYPE_CHECKING:
     from trainer.checkpoint.base import Checkpointer
 
 
-def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
+def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int,
                       on_write: Callable[[], None] | None = None, model: nn.Module | None = None) -> Checkpointer:
     """The sharded (DCP) checkpointer for ``model``'s shards, else the single-file one (``on_write``: a sign of life
-    for the hang watchdog while rank 0 writes; ``save_delay``: the test hook's sleep in saves from a step on)."""
+    for the hang watchdog while rank 0 writes)."""
     if sharded:
         from trainer.checkpoint.sharded import ShardedCheckpointer
 
-        return ShardedCheckpointer(folder, is_main, keep, save_delay, model)
+        return ShardedCheckpointer(folder, is_main, keep, model)
     from trainer.checkpoint.file import FileCheckpointer
 
-    return FileCheckpointer(folder, is_main, keep, save_delay, on_write)
+    return FileCheckpointer(folder, is_main, keep, on_write)

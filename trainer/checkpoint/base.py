@@ -18,9 +18,8 @@ class Checkpointer(ABC):
     every_rank_writes = False
     """Whether every rank writes its own part of a save (sharded), or rank 0 writes while the others wait."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0)) -> None:
+    def __init__(self, folder: Path, is_main: bool, keep: int) -> None:
         self.folder, self.is_main, self.keep = folder, is_main, keep
-        self.save_delay = save_delay  # test hook (faults.save_delay_s, save_delay_from_step): seconds, from which step
         self.last_path: Path | None = None
         self._error: BaseException | None = None
 
@@ -30,11 +29,6 @@ class Checkpointer(ABC):
         """Collective: commit ``state`` (rank 0's: step, loaders, user dicts) and ``sharded`` (models and optimizers
         that every rank holds a part of; the single-file format takes them from ``state``) as step ``step``.
         ``blocking=False`` returns once the state is copied and writes in the background, one save at a time."""
-
-    def delay(self, step: int) -> float:
-        """The test hook's sleep in the middle of the save of ``step`` (0 without faults)."""
-        seconds, from_step = self.save_delay
-        return seconds if step >= from_step else 0.0
 
     @abstractmethod
     def _join(self) -> None:

@@ -20,6 +20,7 @@ import xxhash
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.layout import PREFIX, publish
 from trainer.checkpoint.rng import rng_state
+from trainer.core import hooks
 from trainer.core.dist import gather
 from trainer.core.files import fsync_dir, tmp_path
 
@@ -103,9 +104,8 @@ class Staging:
 class FileCheckpointer(Checkpointer):
     """One ``step_<N>.pt`` file per checkpoint: rank 0 writes it (the other ranks' state gathered to it)."""
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
-                 on_write: Callable[[], None] | None = None) -> None:
-        super().__init__(folder, is_main, keep, save_delay)
+    def __init__(self, folder: Path, is_main: bool, keep: int, on_write: Callable[[], None] | None = None) -> None:
+        super().__init__(folder, is_main, keep)
         self.on_write = on_write
         self._thread: threading.Thread | None = None
         self._staging = Staging()
@@ -149,5 +149,5 @@ class FileCheckpointer(Checkpointer):
             stale.unlink(missing_ok=True)
         # The manifest's own folder fsync makes both renames durable: one fsync of the folder, not two. Should a
         # crash keep the manifest but not the renamed file, the manifest fails verification and an older one is used.
-        size, digest = save_atomic(path, state, self.delay(step), self.on_write, sync_dir=False)
+        size, digest = save_atomic(path, state, hooks.current().write_pause(step), self.on_write, sync_dir=False)
         publish(self.folder, path, step, self.keep, file=path.name, size=size, xxh3_64=digest)

@@ -25,6 +25,7 @@ from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.file import save_atomic
 from trainer.checkpoint.layout import EXTRA, PREFIX, publish
 from trainer.checkpoint.rng import rng_state
+from trainer.core import hooks
 from trainer.core.dist import gather
 from trainer.core.files import fsync_dir
 
@@ -69,9 +70,8 @@ class ShardedCheckpointer(Checkpointer):
 
     every_rank_writes = True
 
-    def __init__(self, folder: Path, is_main: bool, keep: int, save_delay: tuple[float, int] = (0.0, 0),
-                 model: nn.Module | None = None) -> None:
-        super().__init__(folder, is_main, keep, save_delay)
+    def __init__(self, folder: Path, is_main: bool, keep: int, model: nn.Module | None = None) -> None:
+        super().__init__(folder, is_main, keep)
         self.model = model
         self.group: Any = None
         """A gloo group of its own for background saves, so they never share a communicator with training."""
@@ -99,7 +99,7 @@ class ShardedCheckpointer(Checkpointer):
             save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
 
         self._on_main(prepare, "save")  # the folder exists before any rank writes into it
-        pause = self.delay(step)
+        pause = hooks.current().write_pause(step)
         if pause and self.is_main:  # test hook: a kill now leaves a half-written folder
             time.sleep(pause)
         if blocking:

@@ -42,17 +42,21 @@ def git_commit(folder: Path) -> str | None:
 
 
 class EventLog:
-    """Rank 0's appender (other ranks get one that writes nothing)."""
+    """Rank 0's appender (other ranks get one that writes nothing). The file is opened at the first event, so a run
+    refused before it starts writes none."""
 
     def __init__(self, run_dir: Path | None) -> None:
-        self.fd = os.open(run_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if run_dir else None
+        self.path = run_dir / EVENTS if run_dir else None
+        self.fd: int | None = None
 
     def emit(self, event: str, durable: bool = False, **fields: Any) -> None:
         """Append one event; ``durable``: fsync it (attempt boundaries, checkpoints), else leave it to the page cache."""
-        if self.fd is None:
+        if self.path is None:
             return
         line = json.dumps({"t": round(time.time(), 3), "event": event, **fields}, default=str) + "\n"
         try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.write(self.fd, line.encode())
             if durable:
                 os.fsync(self.fd)

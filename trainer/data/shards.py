@@ -3,7 +3,7 @@
 An epoch reads the shards in a seeded order, and each shard in seeded windows of ``shuffle_window`` consecutive
 samples shuffled among themselves (the locality of a shuffle buffer, without holding samples in memory). Stream
 position p of an epoch is one sample of one shard; the loader hands position ranges to ranks and workers
-(trainer/runtime/samplers.py: StreamSampler), so how many processes read the stream changes who reads a sample,
+(trainer/data/samplers.py: StreamSampler), so how many processes read the stream changes who reads a sample,
 never which sample comes next. Each process reads only its own samples, by index.
 """
 

@@ -143,7 +143,7 @@ def check_tracking(cfg: Config, env: DistEnv, info: JobInfo) -> Check:
     """The W&B mode training would use, from rank 0 (the only rank that tracks)."""
     if env.rank != 0:
         return Check("tracking", SKIP, "only rank 0 tracks")
-    from trainer.runtime.tracking import resolve_mode
+    from trainer.runtime.records.tracking import resolve_mode
 
     mode = resolve_mode(cfg.tracking.mode, info)
     if mode == "online" and not info.wandb_key:

@@ -120,8 +120,7 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
     from trainer.testing import faults  # here: it loads torch, which `--help` and bad arguments never need
 
-    injected = faults.load()
-    if injected.doctor_fail_node == host or injected.doctor_fail_rank == env.rank:
+    if faults.install().doctor_fails(host, env.rank):
         checks.append(Check("fault", FAIL, f"injected on {host} (TRAINER_FAULTS doctor_fail_node or _rank)", ""))
     code = _checked(cfg, env, checks, host)
     _record(env.rank, host, checks, code)

@@ -32,31 +32,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed
 from trainer.checkpoint.state import STATE_VERSION, PerRank, check_names, check_plain, collect, own_fields
 from trainer.core import dist as tdist
-from trainer.core import exits
+from trainer.core import exits, hooks
 from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.core.schema import Config
-from trainer.runtime import attempts
-from trainer.runtime.audit import Audit
+from trainer.data.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
-from trainer.runtime.heartbeat import Heartbeat
-from trainer.runtime.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
-from trainer.runtime.preemption import Preemption, save_policy
-from trainer.runtime.resuming import resume
-from trainer.runtime.rundir import RunDir
-from trainer.runtime.saves import Saves
-from trainer.runtime.snapshots import Snapshots
-from trainer.runtime.tracking import Tracker
-from trainer.runtime.trial import Reports
-from trainer.testing import faults as faults_mod
+from trainer.runtime.health.heartbeat import Heartbeat
+from trainer.runtime.parts import Parts, Setup, open_parts
+from trainer.runtime.records import attempts
+from trainer.runtime.records.tracking import Tracker
+from trainer.runtime.saving.saves import Saves
+from trainer.runtime.saving.signals import Preemption
+from trainer.testing import faults
 
 __all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
 
@@ -70,7 +65,7 @@ class Session:
         self.extra_config = dict(extra_config or {})
         self.config_dict = to_dict(self.cfg)
         self.env = discover()
-        self.faults = faults_mod.load()
+        faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
         self.device = tdist.pick_device(self.env, self.cfg.train.device)
         self.job = job_info()
         # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
@@ -91,14 +86,9 @@ class Session:
 
     def _attributes(self) -> None:
         """Every attribute exists before ``restore``, which opens the run folder and brings its parts (the hang
-        watchdog, the checkpointer, the save policy, the tracker): before it, using them says so."""
-        self.run: RunDir | None = None
-        self._heartbeat: Heartbeat | None = None
-        self._saves: Saves | None = None
-        self._tracker: Tracker | None = None
-        self._reports: Reports | None = None
-        self._snapshots: Snapshots | None = None
-        self._audit: Audit | None = None
+        watchdog, the checkpointer, the save policy, the tracker: trainer/runtime/parts.py): before it, using them
+        says so."""
+        self.parts: Parts | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[DataLoader[Any]] = []
         self.resumed: Resumed | None = None
@@ -114,7 +104,7 @@ class Session:
         """What ``finish`` wrote to result.json (on every rank)."""
         self.started_at = process_start()
         self.events = EventLog(None)
-        """Rank 0's event log (events.jsonl), opened with the run folder."""
+        """Rank 0's event log (events.jsonl), from ``restore`` on."""
         self.model: nn.Module | None = None
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         fmt = self.cfg.checkpoint.format
@@ -124,12 +114,12 @@ class Session:
     @property
     def heartbeat(self) -> Heartbeat:
         """The hang watchdog of this rank (from ``restore``)."""
-        return _opened(self._heartbeat)
+        return _opened(self.parts).heartbeat
 
     @property
     def saves(self) -> Saves:
         """The checkpointer (single-file or sharded alike), when to save, the last save and the stalls (``restore``)."""
-        return _opened(self._saves)
+        return _opened(self.parts).saves
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -139,12 +129,12 @@ class Session:
     @property
     def last_path(self) -> Path | None:
         """The newest checkpoint of this run: saved, or resumed from."""
-        return self._saves.last_path if self._saves else None
+        return self.parts.saves.last_path if self.parts else None
 
     @property
     def tracker(self) -> Tracker:
         """W&B on rank 0, continued across requeues (from ``restore``)."""
-        return _opened(self._tracker)
+        return _opened(self.parts).tracker
 
     @property
     def is_main(self) -> bool:
@@ -153,7 +143,7 @@ class Session:
 
     @property
     def run_dir(self) -> Path:
-        return _opened(self.run).path
+        return _opened(self.parts).run.path
 
     def print(self, msg: str) -> None:
         """Print on rank 0 only."""
@@ -206,31 +196,14 @@ class Session:
         load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
         check_names(objects)
         self.objects = objects
-        self.run = RunDir.open(self.env, self.cfg.run.dir or self.job.run_dir, to_yaml(self.cfg))
-        self._heartbeat = Heartbeat(self.env, self.run.hang, self.cfg.dist.heartbeat_s)
-        self._reports = Reports(self.run.path, self.env, self.job.pruning)
-        self._snapshots = Snapshots.open(self.cfg, self.env, self.job, self.run.path, self.sharded_checkpoints,
-                                         self.model, lambda *a, **k: self.events.emit(*a, **k))
-        got = resume(self.cfg, self.env, self.run.path, self._snapshots, objects, self.model, self.print)
-        self.resumed, self.step = got.resumed, got.step
-        if self._snapshots:
-            self._snapshots.check_room(objects, explicit=self.cfg.checkpoint.memory == "on")
-        self._tracker = Tracker(self.cfg, self.env, self.job, self.run.path)
-        self._tracker.start({**self.config_dict, **self.extra_config}, got.run_id)
-        self.events = EventLog(self.run.path if self.env.is_main else None)
-        checkpointer = open_checkpointer(self.sharded_checkpoints, self.run.checkpoints, self.env.is_main,
-                                         self.cfg.checkpoint.keep, (self.faults.save_delay_s, self.faults.save_delay_from_step),
-                                         on_write=self._heartbeat.alive, model=self.model)
-        policy = save_policy(self.cfg.checkpoint, self.env, self.preemption, self.run.path,
-                             self.job.mtbf_hours, self.faults.end_in_s, self.job.end_time)
-        policy.snapshots = self._snapshots  # their interval is agreed at the same polls
-        self._saves = Saves(checkpointer, policy, self._heartbeat, self.events, self.env.is_main, self.resumed)
-        self._audit = Audit(self.cfg, self.env, self.model, objects, self.faults, self.device, self.step, policy,
-                            self.events.emit, self.print)
+        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
+        self.parts = p = open_parts(setup, self.model, objects, {**self.config_dict, **self.extra_config},
+                                    to_yaml(self.cfg))
+        self.events, self.resumed, self.step = p.events, p.restored.resumed, p.restored.step
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
-                                                                 strategy=self.cfg.dist.strategy, **got.facts))
-        self._saves.say_cadence()  # after the attempt event: the report files it under this attempt
+                                                                 strategy=self.cfg.dist.strategy, **p.restored.facts))
+        p.saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
             held = " (a snapshot in node memory)" if self.resumed.memory else ""
             self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
@@ -239,10 +212,10 @@ class Session:
     # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Steps ``start + 1`` … ``stop``, with hang watching from the first one on."""
-        _opened(self.run)
+        _opened(self.parts)
         for step in range(start + 1, stop + 1):
             self.heartbeat.beat("step", step)
-            self.faults.before_step(self.steps_here, self.env.rank)
+            hooks.current().step_begin(self.steps_here, self.env.rank)
             self.step = step
             yield step
             self.steps_here += 1
@@ -264,18 +237,18 @@ class Session:
         values = {k: float(v) for k, v in metrics.items()}
         if console:
             self.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
-        if self._tracker is not None:  # logging before restore prints only
-            self._tracker.log(values, step)
+        if self.parts is not None:  # logging before restore prints only
+            self.parts.tracker.log(values, step)
         self.events.emit("metrics", step=step, values=values)
 
     def report(self, step: int, value: float | Mapping[str, float]) -> None:
         """Record an intermediate value at ``step`` (the sweep's metric, or metrics by name) for a sweep's pruner."""
-        _opened(self._reports).report(step, value)
+        _opened(self.parts).reports.report(step, value)
 
     def should_prune(self) -> bool:
         """Collective, after ``report`` on every rank: whether the sweep's pruner stops this trial now (leave the loop
         and ``finish``: result.json says pruned). False outside a sweep with a pruner."""
-        return _opened(self._reports).should_prune()
+        return _opened(self.parts).reports.should_prune()
 
     def request_stop(self, signum: int = signal.SIGUSR2) -> None:
         """Ask for save-and-requeue as a preemption signal would (0 does nothing); acted on by ``should_save``."""
@@ -286,12 +259,14 @@ class Session:
         """Whether to save now: a preemption signal or the job's time limit near (both then leave the loop:
         ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
-        self.request_stop(self.faults.step_end(self.steps_here + 1, self.env.rank, self.job.warning_signal or "SIGUSR2",
-                                               self.run_dir, self.heartbeat.alive, lambda: bool(self.preemption.signum)))
-        self.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
-        poll = self.saves.policy.poll(step, force_poll)
-        _opened(self._audit).after_step(step, poll.compute)
-        if self.saves.policy.polls_at(step, force_poll):
+        p = _opened(self.parts)
+        self.request_stop(hooks.current().step_end(self.steps_here + 1, self.env.rank, self.job.warning_signal or
+                                                   "SIGUSR2", p.run.path, p.heartbeat.alive,
+                                                   lambda: bool(self.preemption.signum)))
+        p.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
+        poll = p.group.policy.poll(step, force_poll)
+        p.group.audit.after_step(step)
+        if poll.polled:
             self.events.emit("progress", step=step)
         if poll.signum and self.preempted_by is None:
             self.events.emit("signal", durable=True, step=step, signal=signal.Signals(poll.signum).name)
@@ -300,21 +275,21 @@ class Session:
         elif poll.deadline and not self.deadline:  # no signal came (or none was asked for): the time limit is near
             self.events.emit("deadline", durable=True, step=step, **self.saves.policy.deadline_facts())
             self.deadline = True
-        if self._snapshots and not (poll.due or self.preempted) and self._snapshots.due(step):
-            self._snapshots.take(*self._state(step), step)
+        if p.snapshots and not (poll.due or self.preempted) and p.snapshots.due(step):
+            p.snapshots.take(*self._state(step), step)
         return poll.due or self.preempted
 
     @property
     def preempted(self) -> bool:
         """A preemption, the time limit or an audit's stop (a straggler to restart without, replicas that disagree)
         was agreed: save (``should_save`` said so), leave the loop, return ``finish()``."""
-        return self.preempted_by is not None or self.deadline or bool(self._audit and self._audit.stop)
+        return self.preempted_by is not None or self.deadline or bool(self.parts and self.parts.group.audit.stop)
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
         """Collective: checkpoint every restored object at ``step`` (async per checkpoint.async_save, not when preempted)."""
-        run, audit = _opened(self.run), _opened(self._audit)
-        if not audit.agree(step):  # never save a state the replicas dispute
-            return self.last_path or run.checkpoints
+        p = _opened(self.parts)
+        if not p.group.audit.agree(step):  # never save a state the replicas dispute
+            return self.last_path or p.run.checkpoints
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
         path = self.saves.save(*self._state(step), step, blocking)
@@ -330,16 +305,17 @@ class Session:
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
         """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
         and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
-        run = _opened(self.run)
+        p = _opened(self.parts)
+        run = p.run
         self.heartbeat.stop()
         self.checkpointer.wait()
         if self.saves.saved_step != self.step:
             self.save(self.step)
-        if self._snapshots:  # saved for good: the run's snapshots go (a failed attempt's stay for the restart)
-            self._snapshots.close(finished=True)
+        if p.snapshots:  # saved for good: the run's snapshots go (a failed attempt's stay for the restart)
+            p.snapshots.close(finished=True)
         path = str(self.last_path)
-        if self._audit and self._audit.stop:  # the self-healing rules go on without the node it blames
-            return self._audit.end(self._snapshots)
+        if p.group.audit.stop:  # the self-healing rules go on without the node it blames
+            return p.group.audit.end()
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
             why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
@@ -350,7 +326,7 @@ class Session:
                        "requeues")
             self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
             return EXIT_REQUEUE
-        outcome = "pruned" if _opened(self._reports).pruned else "finished"
+        outcome = "pruned" if p.reports.pruned else "finished"
         self.summary = summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
@@ -365,17 +341,17 @@ class Session:
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
+        p = self.parts
         try:
-            if self._heartbeat is not None:
-                self._heartbeat.stop()
-            if self._snapshots is not None:
-                self._snapshots.close(finished=False)
-            try:
-                if self._saves is not None:
-                    self._saves.checkpointer.wait()
-            finally:
-                if self._tracker is not None:
-                    self._tracker.finish(exit_code=exit_code)
+            if p is not None:
+                p.heartbeat.stop()
+                p.group.audit.close()
+                if p.snapshots is not None:
+                    p.snapshots.close(finished=False)
+                try:
+                    p.saves.checkpointer.wait()
+                finally:
+                    p.tracker.finish(exit_code=exit_code)
         finally:
             for loader in self.loaders:
                 shutdown_workers(loader)

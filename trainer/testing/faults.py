@@ -16,16 +16,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from trainer.core import hooks
 from trainer.core.env import fault_spec
 from trainer.core.errors import UserError
 from trainer.core.exits import attempt_id
 
 
 @dataclass(frozen=True)
-class Faults:
+class Faults(hooks.Hooks):
+    """The test faults of this process: each field one fault (unset: off), each method a point of the runtime's one
+    seam (trainer/core/hooks.py) where the fault acts."""
+
     preempt_at_step: int = -1
     """Behave as if the preemption signal arrived during this process's step N+1 (-1: never)."""
     save_delay_s: float = 0.0
@@ -80,7 +85,11 @@ class Faults:
     """A folder: a sharded set's loader appends the samples of every micro-batch it hands out (epoch, micro-batch,
     (shard, sample) pairs) to rank<r>.jsonl there, the per-sample ledger of the exactly-once tests."""
 
-    def record(self, rank: int, entry: dict[str, object]) -> None:
+    @property
+    def records(self) -> bool:  # type: ignore[override]
+        return bool(self.ledger)
+
+    def record(self, rank: int, entry: dict[str, Any]) -> None:
         """One line of the per-sample ledger (nothing when ``ledger`` is unset)."""
         if self.ledger:
             with open(os.path.join(self.ledger, f"rank{rank}.jsonl"), "a") as f:
@@ -108,15 +117,23 @@ class Faults:
         if rank == self.slow_rank and step >= self.slow_from_step:
             time.sleep(seconds * (self.slow_factor - 1))
 
-    def flip(self, params: list[torch.Tensor], rank: int, step: int) -> None:
+    def flip(self, model: torch.nn.Module, rank: int, step: int) -> None:
         """After ``flip_at_step`` on ``flip_rank``: one bit of the first parameter's first value, as faulty memory
         flips it (a mantissa bit: bit 20 of a float32, the value changes a little, the bits differ)."""
-        if step == self.flip_at_step and rank == self.flip_rank and params:
-            first = params[0].detach().view(-1)[:1].view(torch.uint8)
+        first_param = next(iter(model.parameters()), None)
+        if step == self.flip_at_step and rank == self.flip_rank and first_param is not None:
+            first = first_param.detach().view(-1)[:1].view(torch.uint8)
             with torch.no_grad():
                 first[first.numel() - 2] ^= 16
 
-    def before_step(self, done: int, rank: int) -> None:
+    def write_pause(self, step: int) -> float:
+        """``save_delay_s`` in saves of ``save_delay_from_step`` and later."""
+        return self.save_delay_s if step >= self.save_delay_from_step else 0.0
+
+    def doctor_fails(self, node: str, rank: int) -> bool:
+        return node == self.doctor_fail_node or rank == self.doctor_fail_rank
+
+    def step_begin(self, done: int, rank: int) -> None:
         """A rank stuck outside any collective (a dead file system, a deadlock); ``done``: steps finished so far."""
         if done == self.hang_at_step and rank == self.hang_rank:
             _stuck_for_test()
@@ -159,6 +176,13 @@ def _stuck_for_test() -> None:
     """Named so that a hang report's stack shows where the test made this rank stop."""
     while True:
         time.sleep(1)
+
+
+def install() -> Faults:
+    """This process's faults (TRAINER_FAULTS), installed as the runtime's hooks; a bad spec is a UserError."""
+    faults = load()
+    hooks.install(faults)
+    return faults
 
 
 def load(spec: str | None = None, attempt: str | None = None) -> Faults:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.runtime.attempts import attempts
+from trainer.runtime.records.attempts import attempts
 
 MIN_INTERVAL_S = 30.0
 MAX_INTERVAL_S = 4 * 3600.0

@@ -52,7 +52,7 @@ class Reports:
         if not self.pruning or self.last_step is None:
             return False
         flag = torch.tensor([int(self._answer(self.last_step)) if self.env.is_main else 0], dtype=torch.int32)
-        if self.env.world_size > 1:  # on the host, as the other flags (trainer/runtime/preemption.py)
+        if self.env.world_size > 1:  # on the host, as the other flags (trainer/runtime/poll.py)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
         self.pruned = self.pruned or bool(flag.item())
         return bool(flag.item())

@@ -1,46 +1,18 @@
-"""Preemption signals and the save policy, agreed across ranks at step boundaries (never acted on in a handler)."""
+"""The save policy: when to save (every N steps, every M minutes or at the auto cadence, on request, before the time
+limit, when any rank was signalled), agreed by every rank at the polls (trainer/runtime/poll.py)."""
 
 from __future__ import annotations
 
-import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.distributed as dist
-
-from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
 from trainer.core.schema import CheckpointConfig
-from trainer.runtime.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cadence, Deadline, longest_save_s
-
-if TYPE_CHECKING:
-    from trainer.runtime.snapshots import Snapshots
-
-
-class ComputeTimes(Protocol):
-    """This rank's compute seconds per step since the last poll (trainer/runtime/audit.py's Meter)."""
-
-    def take(self, step: int) -> float: ...
-
-
-class Preemption:
-    """Sets a flag when a preemption signal arrives; the loop acts on it at the next step boundary."""
-
-    def __init__(self, signals: tuple[int, ...]) -> None:
-        self.signum = 0
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in signals}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signum = signum  # no I/O in a handler: it may interrupt a write
-
-    def restore(self) -> None:
-        """Put back the handlers that were there before (e.g. submitit's)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+from trainer.runtime.poll import Layout, Message, PollPart
+from trainer.runtime.saving.cadence import FIRST_STALL_S, SIGNAL_EARLY_S, SLACK_S, Cadence, Deadline, longest_save_s
+from trainer.runtime.saving.signals import Preemption
 
 
 @dataclass(frozen=True)
@@ -53,10 +25,8 @@ class Poll:
     """A scheduled save (every_steps, every_minutes, the auto cadence, or asked for with a save-now file)."""
     deadline: bool = False
     """The time limit is closer than one save and the steps to the next agreement: save, exit, requeue."""
-    snapshot_every: int = 0
-    """Steps between memory snapshots, as rank 0 proposed them at this poll (0: no proposal)."""
-    compute: tuple[float, ...] = ()
-    """Every rank's compute seconds per step since the last poll, in rank order (empty: not measured)."""
+    polled: bool = False
+    """The ranks agreed at this step (the parts read what they agreed): every ``poll_steps``, or when asked."""
 
 
 class SavePolicy:
@@ -64,12 +34,13 @@ class SavePolicy:
     ``save-now`` file in the run folder), before the job's time limit, and when any rank was signalled.
 
     Every ``poll_steps`` steps (and when asked, e.g. at an epoch end) one small all-reduce of host tensors tells every
-    rank whether anyone was signalled and whether a save is due, so all ranks stop or save together.
+    rank whether anyone was signalled and whether a save is due, so all ranks stop or save together; the ``parts``
+    (memory snapshots, the straggler meter) agree what they need in the same all-reduce.
     """
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, cadence: Cadence | None = None,
                  deadline: Deadline | None = None, save_now: Path | None = None, save_s: float = FIRST_STALL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, parts: Sequence[PollPart | None] = ()) -> None:
         self.cfg, self.env, self.preemption, self.clock = cfg, env, preemption, clock
         self.cadence, self.deadline, self.save_now = cadence, deadline, save_now
         self.last_save = self.last_poll = clock()
@@ -79,10 +50,11 @@ class SavePolicy:
         ranks may learn of a deadline."""
         self.save_s = save_s
         """The longest blocking save seen (this run's event log included): what a last save may take."""
-        self.snapshots: Snapshots | None = None
-        """The run's memory snapshots, whose interval rank 0 proposes and every poll agrees."""
-        self.meter: ComputeTimes | None = None
-        """This rank's compute time, shared at every poll for the straggler audit."""
+        self.layout = Layout(env.world_size)
+        self.signal, self.timed, self.near = (self.layout.add(n) for n in ("signal", "timed save", "deadline"))
+        self.parts = [p for p in parts if p is not None]
+        for part in self.parts:
+            part.register(self.layout)
 
     def margin_s(self) -> float:
         """Time a last save needs before the limit: twice (one save, after a background write still running when
@@ -128,18 +100,17 @@ class SavePolicy:
             self.poll_span_s = max(self.poll_span_s, now - self.last_poll)
         self.last_poll = now
         timed, near = self._rank0_flags() if self.env.is_main else (False, False)
-        propose = self.snapshots.propose(step) if self.snapshots else 0
-        # One all-reduce (max) holds the flags and, each rank in its own slot, the compute times: float64 keeps both.
-        flags = torch.zeros(4 + (self.env.world_size if self.meter else 0), dtype=torch.float64)
-        flags[:4] = torch.tensor([self.preemption.signum, int(timed), int(near), propose], dtype=torch.float64)
-        if self.meter:
-            flags[4 + self.env.rank] = self.meter.take(step)
-        if self.env.world_size > 1:  # on the host: a device tensor read here would wait for every queued kernel
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
-        signum, timed_any, near_any, every = (int(v) for v in flags[:4].tolist())
-        if self.snapshots and every:
-            self.snapshots.every = every
-        return Poll(signum, due_by_steps or bool(timed_any), bool(near_any), every, tuple(flags[4:].tolist()))
+        message = Message(self.layout, self.env.rank)
+        message.put(self.signal, self.preemption.signum)
+        message.put(self.timed, timed)
+        message.put(self.near, near)
+        for part in self.parts:
+            part.send(message, step)
+        message.agree(self.env.world_size)
+        for part in self.parts:
+            part.receive(message, step)
+        return Poll(int(message.get(self.signal)), due_by_steps or bool(message.get(self.timed)),
+                    bool(message.get(self.near)), polled=True)
 
     def saved(self, stall_s: float, blocking: bool = True) -> None:
         """A save just finished, stalling training ``stall_s``: the timed interval starts again."""
@@ -151,11 +122,12 @@ class SavePolicy:
 
 
 def save_policy(cfg: CheckpointConfig, env: DistEnv, preemption: Preemption, run_dir: Path, mtbf_hours: float,
-                end_in_s: float = 0.0, known_end: float | None = None) -> SavePolicy:
+                end_in_s: float = 0.0, known_end: float | None = None,
+                parts: Sequence[PollPart | None] = ()) -> SavePolicy:
     """A run's save policy: rank 0 keeps the clocks (the auto cadence, the job's end time) and the save-now file."""
     if not env.is_main:
-        return SavePolicy(cfg, env, preemption)
+        return SavePolicy(cfg, env, preemption, parts=parts)
     (run_dir / "save-now").unlink(missing_ok=True)  # a request left for an earlier job is not this one's
     cadence = Cadence(run_dir, env.num_nodes, cfg.mtbf_hours or mtbf_hours) if cfg.cadence == "auto" else None
     return SavePolicy(cfg, env, preemption, cadence, Deadline(env.job_id, end_in_s, known_end), run_dir / "save-now",
-                      longest_save_s(run_dir))
+                      longest_save_s(run_dir), parts=parts)

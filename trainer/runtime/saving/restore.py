@@ -15,8 +15,8 @@ from trainer.checkpoint.resume import Resumed, durable_step, find
 from trainer.checkpoint.state import restore_objects
 from trainer.core.env import DistEnv
 from trainer.core.schema import Config
-from trainer.runtime.loader import Loader
-from trainer.runtime.snapshots import Snapshots
+from trainer.data.loader import Loader
+from trainer.runtime.saving.snapshots import Snapshots
 
 
 @dataclass

@@ -10,8 +10,8 @@ from typing import Any
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed
 from trainer.core.events import EventLog
-from trainer.runtime.heartbeat import Heartbeat
-from trainer.runtime.preemption import SavePolicy
+from trainer.runtime.health.heartbeat import Heartbeat
+from trainer.runtime.saving.policy import SavePolicy
 
 
 class Saves:

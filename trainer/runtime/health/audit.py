@@ -15,23 +15,19 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.core import exits
+from trainer.core import exits, hooks
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.core.schema import Config
-from trainer.runtime.replay import Replay, digest
-from trainer.testing.faults import Faults
-
-if TYPE_CHECKING:
-    from trainer.runtime.preemption import SavePolicy
-    from trainer.runtime.snapshots import Snapshots
+from trainer.runtime.health.replay import Replay, digest
+from trainer.runtime.poll import Layout, Message
 
 EXIT_AUDIT = 4
 """An audit ended the attempt (a straggler with ``on_straggler: restart``, replicas that disagree)."""
@@ -67,11 +63,13 @@ class Stop:
 class Meter:
     """This rank's seconds of computation: the model's training forwards (``forward``; FSDP's gather parameters from
     the other ranks, so there only the optimizer steps count) and every optimizer step. CUDA events on a GPU, read
-    once they are done (never a sync); the clock on the CPU, where the ``slow_rank`` test fault stretches them."""
+    once they are done (never a sync); the clock on the CPU, where the ``slow_rank`` test fault stretches them. Every
+    rank's time per step rides on the polls (a per-rank field), and ``agreed`` holds the last poll's."""
 
     def __init__(self, model: nn.Module | None, optimizers: list[torch.optim.Optimizer], forward: bool,
-                 device: torch.device, stretch: Callable[[float], None]) -> None:
-        self.gpu, self.stretch = device.type == "cuda", stretch
+                 device: torch.device, rank: int) -> None:
+        self.gpu, self.rank, self.step = device.type == "cuda", rank, 0
+        self.agreed: tuple[float, ...] = ()
         self.seconds, self.t0, self.last_step = 0.0, 0.0, -1
         self.open: Any = None
         self.pending: list[tuple[Any, Any]] = []
@@ -96,7 +94,7 @@ class Meter:
             end.record()
             self.pending.append((self.open, end))
             return
-        self.stretch(time.perf_counter() - self.t0)
+        hooks.current().stretch(time.perf_counter() - self.t0, self.rank, self.step)
         self.seconds += time.perf_counter() - self.t0
 
     def take(self, step: int) -> float:
@@ -108,6 +106,15 @@ class Meter:
         span, first, self.last_step = step - self.last_step, self.last_step < 0, step
         per_step, self.seconds = 0.0 if first or span <= 0 else self.seconds / span, 0.0
         return per_step
+
+    def register(self, layout: Layout) -> None:
+        self.field = layout.add("compute seconds per step", per_rank=True)
+
+    def send(self, message: Message, step: int) -> None:
+        message.put(self.field, self.take(step))
+
+    def receive(self, message: Message, step: int) -> None:
+        self.agreed = message.each(self.field)
 
     def close(self) -> None:
         for h in self.handles:
@@ -178,12 +185,12 @@ def _gather(obj: Any) -> list[Any]:
 
 class Audit:
     """A run's audits, as the Session calls them: ``after_step`` after each step's poll (whose all-reduce carries the
-    meter's times), ``agree`` before a save; ``stop`` once one ends the attempt, ``end`` then."""
+    meter's times: the meter is one of the poll's parts), ``agree`` before a save; ``stop`` once one ends the attempt,
+    ``end`` then. ``check`` refuses, before the run folder is opened, an audit that cannot run."""
 
-    def __init__(self, cfg: Config, env: DistEnv, model: nn.Module | None, objects: dict[str, Any], faults: Faults,
-                 device: torch.device, start: int, policy: SavePolicy, emit: Callable[..., None],
-                 say: Callable[[str], None]) -> None:
-        self.cfg, self.env, self.model, self.faults, self.emit, self.say = cfg.audit, env, model, faults, emit, say
+    def __init__(self, cfg: Config, env: DistEnv, model: nn.Module | None, objects: dict[str, Any],
+                 device: torch.device, start: int, emit: Callable[..., None], say: Callable[[str], None]) -> None:
+        self.cfg, self.env, self.model, self.emit, self.say = cfg.audit, env, model, emit, say
         self.stop: Stop | None = None
         self.step = start
         multi = env.world_size > 1
@@ -192,29 +199,28 @@ class Audit:
                                  self.cfg.straggler_floor_ms / 1000) \
             if multi and self.cfg.straggler_steps else None
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device,
-                           lambda s: faults.stretch(s, env.rank, self.step)) if self.detector else None
-        policy.meter = self.meter  # the times ride on the polls' all-reduce
+        self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device, env.rank) if self.detector else None
         self.replicas = multi and self.cfg.replicas_every_steps >= 0 and model is not None
         if self.replicas and cfg.dist.strategy == "fsdp":
             self.replicas = False
             say("audit: replica agreement is off under dist.strategy=fsdp (each rank holds its own shard, no replica)")
-        self.replay = self._replay(cfg, model, optimizers, device) if self.cfg.replay_every_steps else None
+        self.replay = Replay(model, optimizers, env, self.cfg.replay_every_steps, device, self.nodes,
+                             lambda g, i, n, step: hooks.current().flip_grad(g, i, n, env.rank, step),
+                             self._replayed_wrong, say) if self.cfg.replay_every_steps and model is not None else None
 
-    def _replay(self, cfg: Config, model: nn.Module | None, optimizers: list[torch.optim.Optimizer],
-                device: torch.device) -> Replay:
-        """The replay audit, or a UserError where it cannot run."""
+    @staticmethod
+    def check(cfg: Config, env: DistEnv, model: nn.Module | None, device: torch.device) -> None:
+        """A UserError for an audit that cannot run here (before anything is written)."""
         key = "audit.replay_every_steps"
-        if self.env.world_size == 1 or cfg.dist.strategy == "fsdp" or model is None:
+        if not cfg.audit.replay_every_steps:
+            return
+        if env.world_size == 1 or cfg.dist.strategy == "fsdp" or model is None:
             raise UserError(key, "needs DDP replicas: another process to compute each step again", "run 2 or more "
                             "processes with dist.strategy=ddp (and Session.wrap), or audit.replay_every_steps=0")
         if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             raise UserError(key, "needs deterministic algorithms on the GPU: a replay would differ without a fault",
                             "call torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 set, "
                             "or audit.replay_every_steps=0")
-        faults, rank = self.faults, self.env.rank
-        return Replay(model, optimizers, self.env, self.cfg.replay_every_steps, device, self.nodes,
-                      lambda g, i, n, step: faults.flip_grad(g, i, n, rank, step), self._replayed_wrong, self.say)
 
     def _replayed_wrong(self, cause: str, nodes: list[str], step: int) -> None:
         self.emit("corruption", durable=True, step=step, kind="replay", nodes=nodes, cause=cause)
@@ -222,18 +228,21 @@ class Audit:
         if self.stop is None:
             self.stop = Stop(cause, nodes, save=False)
 
-    def after_step(self, step: int, times: tuple[float, ...]) -> None:
+    def after_step(self, step: int) -> None:
         """After each step's poll (collective): the test fault's flipped bit; every ``replicas_every_steps`` the
-        replicas compared; at a poll, ``times`` (every rank's compute per step) name stragglers."""
+        replicas compared; after a poll, every rank's compute per step (the meter's) names stragglers."""
         self.step = step
+        if self.meter is not None:
+            self.meter.step = step
         if self.replay is not None:
             self.replay.step = step
-        if self.model is not None and self.faults.flip_at_step >= 0:  # the test fault; no list built every step else
-            self.faults.flip(list(self.model.parameters()), self.env.rank, step)
+        if self.model is not None:
+            hooks.current().flip(self.model, self.env.rank, step)
         every = self.cfg.replicas_every_steps
         if self.replicas and every > 0 and step % every == 0:
             self.agree(step)
-        if self.detector is not None and times:
+        if self.detector is not None and self.meter is not None and self.meter.agreed:
+            times, self.meter.agreed = self.meter.agreed, ()
             self.observe(self.detector.observe(step, list(times)), step)
 
     def observe(self, named: list[Straggler], step: int) -> None:
@@ -266,12 +275,10 @@ class Audit:
         self.stop = Stop(cause, nodes, save=False)
         return False
 
-    def end(self, snapshots: Snapshots | None) -> int:
-        """This rank's exit record for a stop (infrastructure, the named nodes blamed) and the exit code; after a
-        disagreement the memory snapshots go too (they may hold the disputed state)."""
+    def end(self) -> int:
+        """This rank's exit record for a stop (infrastructure, the named nodes blamed) and the exit code (the session
+        has cleared the memory snapshots: after a disagreement they may hold the disputed state)."""
         assert self.stop is not None
-        if snapshots and not self.stop.save:
-            snapshots.close(finished=True)
         exits.ended(EXIT_AUDIT, exits.outcome(exits.INFRASTRUCTURE, self.stop.cause, blame=self.stop.blame),
                     rank=self.env.rank, step=self.step)
         self.emit("exit", durable=True, code=EXIT_AUDIT, step=self.step, cause=self.stop.cause)

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
+from trainer.core import hooks
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.data.batches import BatchPlan, plan
+from trainer.data.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
 from trainer.data.shards import Shards
-from trainer.runtime.batches import BatchPlan, plan
-from trainer.runtime.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
-from trainer.testing import faults
 
 
 class InMemory(TensorDataset):
@@ -66,7 +66,6 @@ class Loader:
     def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, plan: BatchPlan | None = None,
                  **kwargs: Any) -> None:
         self.plan, self.world_size, self.rank = plan, env.world_size, env.rank
-        self.faults = faults.load()
         self.dataset, self.batch_size = dataset, plan.micro if plan else batch_size
         self.iterable = isinstance(dataset, IterableDataset)
         if self.iterable and plan:
@@ -137,8 +136,8 @@ class Loader:
             self.sampler.start_epoch(self.epoch, self.position * self.batch_size)
         left = self.remaining()
         for i, batch in enumerate(self.loader):
-            if self.faults.ledger and isinstance(self.sampler, StreamSampler):
-                self.faults.record(self.rank, self.sampler.ledger_entry(self.epoch, self.position))
+            if hooks.current().records and isinstance(self.sampler, StreamSampler):
+                hooks.current().record(self.rank, self.sampler.ledger_entry(self.epoch, self.position))
             self.position += 1
             if i == left - 1:  # the epoch is over once its last batch is out: a save now starts the next one
                 self._next_epoch()

@@ -16,8 +16,8 @@ from trainer.core.dist import on_main, say
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.core.files import write_atomic, write_json
-from trainer.runtime.attempts import attempts, figures, summary
-from trainer.runtime.heartbeat import HANG_FOLDER, set_aside
+from trainer.runtime.health.heartbeat import HANG_FOLDER, set_aside
+from trainer.runtime.records.attempts import attempts, figures, summary
 
 REQUEUE_MARKER = "requeue.json"
 """Left by rank 0 after a preemption save, for launchers that cannot see the exit code (torchrun's agent)."""
@@ -30,31 +30,36 @@ class RunDir:
         self.path, self.env = path, env
 
     @classmethod
-    def open(cls, env: DistEnv, wanted: str | None, config_yaml: str) -> RunDir:
-        """Decide and create the folder on rank 0, write the config, clear an earlier attempt's marker."""
+    def decide(cls, env: DistEnv, wanted: str | None) -> RunDir:
+        """Collective: the folder, as rank 0 decides it; nothing is written yet (see ``create``)."""
+
+        def choose() -> str:
+            if wanted:
+                return str(Path(wanted).resolve())
+            path = Path("runs", env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+            return f"{path}-{time.time_ns() % 10**6}" if not env.job_id and path.exists() else str(path)
+
+        return cls(Path(on_main(env.is_main, choose)), env)
+
+    def create(self, config_yaml: str) -> None:
+        """Collective: rank 0 creates the folder, writes the config and clears an earlier attempt's marker."""
 
         def make() -> str:
-            if wanted:
-                path = Path(wanted).resolve()
-            else:
-                path = Path("runs", env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
-                if not env.job_id and path.exists():
-                    path = Path(f"{path}-{time.time_ns() % 10**6}")
             try:
-                path.mkdir(parents=True, exist_ok=True)
-                write_atomic(path / "config.yaml", config_yaml)
-                (path / REQUEUE_MARKER).unlink(missing_ok=True)
+                self.path.mkdir(parents=True, exist_ok=True)
+                write_atomic(self.path / "config.yaml", config_yaml)
+                (self.path / REQUEUE_MARKER).unlink(missing_ok=True)
                 # Before the broadcast below, so before any rank's watchdog: an earlier attempt's files would
                 # complete rank 0's wait for every rank at once and hand the other ranks a stale report.
-                moved = set_aside(path / HANG_FOLDER)
+                moved = set_aside(self.path / HANG_FOLDER)
                 if moved:
-                    say(env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
+                    say(self.env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
             except OSError as exc:
-                raise UserError("run.dir", f"cannot write {str(path)!r} ({exc.strerror})",
+                raise UserError("run.dir", f"cannot write {str(self.path)!r} ({exc.strerror})",
                                 "choose a folder this user can write, on storage every node shares") from None
-            return str(path)
+            return str(self.path)
 
-        return cls(Path(on_main(env.is_main, make)), env)
+        on_main(self.env.is_main, make)
 
     @property
     def checkpoints(self) -> Path:

@@ -20,7 +20,8 @@ from trainer.core.dist import host_group
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.errors import UserError
 from trainer.core.schema import Config
-from trainer.runtime.cadence import history
+from trainer.runtime.poll import Layout, Message
+from trainer.runtime.saving.cadence import history
 
 FIRST_EVERY = 10
 """Steps between snapshots before their stall is measured (checkpoint.memory_every_steps=0)."""
@@ -89,6 +90,17 @@ class Snapshots:
         self.off = what
         if self.env.is_main:
             print(f"note: no memory snapshots: {what} (checkpoint.memory=auto)", flush=True)
+
+    def register(self, layout: Layout) -> None:
+        self.field = layout.add("snapshot interval")
+
+    def send(self, message: Message, step: int) -> None:
+        message.put(self.field, self.propose(step))
+
+    def receive(self, message: Message, step: int) -> None:
+        """The interval rank 0 proposed, on every rank."""
+        if message.get(self.field):
+            self.every = int(message.get(self.field))
 
     def propose(self, step: int) -> int:
         """Rank 0's interval in steps for the next poll to agree (0 from the other ranks)."""

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from trainer.core.env import DistEnv
 from trainer.core.exits import attempt_id
+from trainer.data.batches import BatchPlan
 from trainer.data.shards import Order, Shards
-from trainer.runtime.batches import BatchPlan
 
 
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]

@@ -1,0 +1,105 @@
+"""A session's parts, built in one place: each owns its state behind a small interface, and the session only calls
+them. ``open_parts`` builds them from the config once ``restore`` knows the objects; ``open_group`` the ones that
+hold the process group (the audits, and the save policy with its poll), which a new group would build again.
+
+Everything that can refuse the run (an audit that cannot run here, a checkpoint of another layout, snapshots the
+nodes cannot hold) is decided before the first byte is written: bad input leaves no run folder behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.checkpoint import open_checkpointer
+from trainer.core import hooks
+from trainer.core.env import DistEnv, JobInfo
+from trainer.core.events import EventLog
+from trainer.core.schema import Config
+from trainer.runtime.health.audit import Audit
+from trainer.runtime.health.heartbeat import Heartbeat
+from trainer.runtime.records.rundir import RunDir
+from trainer.runtime.records.tracking import Tracker
+from trainer.runtime.records.trial import Reports
+from trainer.runtime.saving.policy import SavePolicy, save_policy
+from trainer.runtime.saving.restore import Resumption, resume
+from trainer.runtime.saving.saves import Saves
+from trainer.runtime.saving.signals import Preemption
+from trainer.runtime.saving.snapshots import Snapshots
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a session knows before its run folder opens."""
+
+    cfg: Config
+    env: DistEnv
+    job: JobInfo
+    device: torch.device
+    preemption: Preemption
+    sharded: bool
+    """Checkpoints in the sharded format (every rank writes its part)."""
+    say: Callable[[str], None]
+    """Print on rank 0."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The parts that hold the process group: the audits and the save policy, whose poll agrees across the ranks."""
+
+    audit: Audit
+    policy: SavePolicy
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A run's parts, once its folder is open."""
+
+    run: RunDir
+    events: EventLog
+    """Rank 0's event log (events.jsonl; the other ranks' writes nothing)."""
+    heartbeat: Heartbeat
+    reports: Reports
+    snapshots: Snapshots | None
+    restored: Resumption
+    """What the run continued from (nothing on a fresh start), and how the restore went."""
+    tracker: Tracker
+    group: Group
+    saves: Saves
+
+
+def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], config: dict[str, Any],
+               config_yaml: str) -> Parts:
+    """Collective: decide and check everything, restore ``objects``, then open the run folder and its parts
+    (``config``: what W&B records, ``config_yaml``: the run folder's config.yaml)."""
+    cfg, env, job = s.cfg, s.env, s.job
+    Audit.check(cfg, env, model, s.device)
+    run = RunDir.decide(env, cfg.run.dir or job.run_dir)
+    events = EventLog(run.path if env.is_main else None)  # opens its file at the first event
+    snapshots = Snapshots.open(cfg, env, job, run.path, s.sharded, model, events.emit)
+    restored = resume(cfg, env, run.path, snapshots, objects, model, s.say)
+    if snapshots:
+        snapshots.check_room(objects, explicit=cfg.checkpoint.memory == "on")
+    run.create(config_yaml)  # the first write of this attempt
+    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s)
+    tracker = Tracker(cfg, env, job, run.path)
+    tracker.start(config, restored.run_id)
+    group = open_group(s, run, model, objects, restored.step, events, snapshots)
+    checkpointer = open_checkpointer(s.sharded, run.checkpoints, env.is_main, cfg.checkpoint.keep,
+                                     on_write=heartbeat.alive, model=model)
+    saves = Saves(checkpointer, group.policy, heartbeat, events, env.is_main, restored.resumed)
+    return Parts(run, events, heartbeat, Reports(run.path, env, job.pruning), snapshots, restored, tracker, group, saves)
+
+
+def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str, Any], step: int, events: EventLog,
+               snapshots: Snapshots | None) -> Group:
+    """Collective: the audits from ``step`` on, and the save policy whose poll also agrees the snapshots' interval
+    and the straggler meter's times."""
+    audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say)
+    policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
+                         s.job.end_time, parts=(snapshots, audit.meter))
+    return Group(audit, policy)
