@@ -78,7 +78,7 @@ def _render(sub: Any) -> None:
 
 
 def render_cmd(ns: argparse.Namespace) -> int:
-    from cluster.launch.command import Command
+    from cluster.launch.command import Command, Trainer
     from cluster.launch.render import render_sbatch
     from cluster.profile import load_profile
 
@@ -88,7 +88,7 @@ def render_cmd(ns: argparse.Namespace) -> int:
     origin = (f"Hand-run template: activate the venv, then `sbatch THIS_FILE {usage} (sbatch options such as "
               f"--nodes=1 override the lines below).\n# Made by `python -m cluster render --cluster {ns.cluster}{sets}`: "
               "edit the profile and regenerate rather than editing by hand.")
-    print(render_sbatch(p, "python", [], origin, command=Command(()) if ns.command_template else None), end="")
+    print(render_sbatch(p, "python", Command(()) if ns.command_template else Trainer(()), origin), end="")
     return 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.launch.command import Trainer
 from cluster.launch.launchers import sbatch_script, submitit_script
 from cluster.profile import load_profile
 from trainer.core.env import TRAINER_VARIABLES
@@ -32,8 +33,8 @@ def profile(runtime: str, launch: str = "srun") -> object:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_golden_launch_per_runtime(runtime: str, launcher: str) -> None:
     p = profile(runtime)
-    text = normalized(sbatch_script(p, ["optim.lr=0.1"]) if launcher == "sbatch"  # type: ignore[arg-type]
-                      else submitit_script(p, ["optim.lr=0.1"]))  # type: ignore[arg-type]
+    text = normalized(sbatch_script(p, Trainer(("optim.lr=0.1",))) if launcher == "sbatch"
+                      else submitit_script(p, Trainer(("optim.lr=0.1",))))
     path = GOLDEN / f"{launcher}-{runtime}.sh"
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)
@@ -44,7 +45,7 @@ def test_golden_launch_per_runtime(runtime: str, launcher: str) -> None:
 def test_requeue_stays_outside_the_container(runtime: str) -> None:
     for launcher in ("sbatch", "submitit"):
         p = profile(runtime)
-        text = sbatch_script(p, []) if launcher == "sbatch" else submitit_script(p, [])  # type: ignore[arg-type]
+        text = sbatch_script(p, Trainer(())) if launcher == "sbatch" else submitit_script(p, Trainer(()))
         verdict = [line for line in text.splitlines() if "-m cluster.job.verdict" in line]  # it requeues (cluster/job/nodes.py)
         assert verdict and all("srun" not in line and "python3 -m cluster.job.verdict" in line for line in verdict)
 
@@ -53,7 +54,7 @@ def test_requeue_stays_outside_the_container(runtime: str) -> None:
 def test_rendered_container_scripts_pass_shellcheck(tmp_path: Path, runtime: str) -> None:
     for launch in ("srun", "torchrun"):
         path = tmp_path / f"{launch}.sh"
-        path.write_text(sbatch_script(profile(runtime, launch), ["optim.lr=0.1"]))  # type: ignore[arg-type]
+        path.write_text(sbatch_script(profile(runtime, launch), Trainer(("optim.lr=0.1",))))
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
         _shellcheck(path)
 
@@ -82,7 +83,7 @@ def test_docker_wrapper_passes_every_trainer_variable() -> None:
 def test_apptainer_and_pyxis_keep_the_environment() -> None:
     # Both pass the host environment on unless told otherwise: make sure no rendering tells them.
     for runtime in ("apptainer", "pyxis"):
-        text = sbatch_script(profile(runtime), [])  # type: ignore[arg-type]
+        text = sbatch_script(profile(runtime), Trainer(()))
         assert "--cleanenv" not in text and "--containall" not in text and "--no-container-remap-root" not in text
 
 

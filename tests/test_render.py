@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.__main__ import main as cluster_main
-from cluster.launch.command import Command, parse
+from cluster.launch.command import Command, Trainer, parse
 from cluster.launch.launchers import pick, sbatch_script, submitit_script
 from cluster.launch.render import render_sbatch
 from cluster.launch.submission import Submission
@@ -33,7 +33,8 @@ def normalized(text: str) -> str:
 
 def rendered(launcher: str, nodes: int, launch: str = "srun") -> str:
     p = load_profile("dev", {"nodes": nodes, "launch": launch})
-    return normalized(sbatch_script(p, ["optim.lr=0.1"]) if launcher == "sbatch" else submitit_script(p, ["optim.lr=0.1"]))
+    work = Trainer(("optim.lr=0.1",))
+    return normalized(sbatch_script(p, work) if launcher == "sbatch" else submitit_script(p, work))
 
 
 CASES = [("sbatch", 1, "srun"), ("sbatch", 2, "srun"), ("submitit", 1, "srun"), ("submitit", 2, "srun"),
@@ -63,7 +64,8 @@ def _shellcheck(path: Path, *extra: str) -> None:
 def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path, launcher: str, nodes: int, launch: str) -> None:
     p = load_profile("dev", {"nodes": nodes, "launch": launch})
     path = tmp_path / "job.sh"
-    path.write_text(sbatch_script(p, HOSTILE) if launcher == "sbatch" else submitit_script(p, HOSTILE))
+    work = Trainer(tuple(HOSTILE))
+    path.write_text(sbatch_script(p, work) if launcher == "sbatch" else submitit_script(p, work))
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     _shellcheck(path, "--exclude=SC2016")  # SC2016 flags the hostile '$(...)' we quote on purpose
 
@@ -73,7 +75,7 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
     """NODES=1-4 on 2-process nodes: one allocation task per node (Slurm starts a range at its minimum when asked
     for tasks per node), srun places the processes on however many nodes the attempt got."""
     p = load_profile("dev", {"nodes": 4, "min_nodes": 1, "tasks_per_node": 2, "launch": launch, "doctor": True})
-    path, raw = GOLDEN / f"sbatch-{launch}-range1-4.sh", sbatch_script(p, HOSTILE)
+    path, raw = GOLDEN / f"sbatch-{launch}-range1-4.sh", sbatch_script(p, Trainer(tuple(HOSTILE)))
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(normalized(raw))
     assert normalized(raw) == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
@@ -91,7 +93,7 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
 def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, int], name: str) -> None:
     """Spare nodes, and a node range with a spare: the batch script restarts inside its allocation."""
     p = load_profile("dev", {**sets, "launch": launch, "doctor": True})
-    path, raw = GOLDEN / f"sbatch-{launch}-{name}.sh", sbatch_script(p, HOSTILE)
+    path, raw = GOLDEN / f"sbatch-{launch}-{name}.sh", sbatch_script(p, Trainer(tuple(HOSTILE)))
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(normalized(raw))
     assert normalized(raw) == path.read_text(), f"rendered script changed; UPDATE_GOLDEN=1 pytest {__file__} to accept"
@@ -157,7 +159,7 @@ def _run_script(script: str, tmp: Path, rc: int = 0, restarts: int = 0, marker: 
 
 def test_hostile_overrides_arrive_verbatim_and_nothing_executes(tmp_path: Path, hostile_dir: Path) -> None:
     p = load_profile("dev")
-    script = sbatch_script(p, [*HOSTILE, f"run.dir={hostile_dir}"])
+    script = sbatch_script(p, Trainer(tuple([*HOSTILE, f"run.dir={hostile_dir}"])))
     env_dir = tmp_path / "x"
     env_dir.mkdir()
     res = _run_script(script.replace('RUN_DIR=${RUN_DIR:-', 'RUN_DIR=${RUN_DIR_UNSET:-'), env_dir)
@@ -194,7 +196,7 @@ RULES = [  # rc, restarts, marker, records, earlier verdicts, the scontrol calls
 @pytest.mark.parametrize(("rc", "restarts", "marker", "records", "before", "changes", "exit_code"), RULES)
 def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, records: list[dict[str, object]] | None,
                       before: list[str], changes: list[list[object]], exit_code: int) -> None:
-    res = _run_script(sbatch_script(load_profile("dev"), []), tmp_path, rc, restarts, marker, records, before)
+    res = _run_script(sbatch_script(load_profile("dev"), Trainer(())), tmp_path, rc, restarts, marker, records, before)
     assert _changes(res) == changes, res
     assert res["rc"] == exit_code, res
 
@@ -202,7 +204,7 @@ def test_requeue_rule(tmp_path: Path, rc: int, restarts: int, marker: bool, reco
 def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     """A rank killed on n2: the next attempt starts at once on n1 and n3 (no requeue), as attempt "0.1"."""
     p = load_profile("dev", {"spare_nodes": 1})
-    res = _run_script(sbatch_script(p, []), tmp_path, 137, 0, False, KILLED)
+    res = _run_script(sbatch_script(p, Trainer(())), tmp_path, 137, 0, False, KILLED)
     assert res["rc"] == 0 and _changes(res) == [], res
     sruns = [c[1] for c in res["calls"] if c[0] == "srun"]  # type: ignore[index,union-attr]
     assert [a[:4] for a in sruns] == [  # type: ignore[index]
@@ -212,7 +214,7 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     ends = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     ends = [e for e in ends if e["event"] == "attempt_end"]
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
-    assert "#SBATCH --nodes=3" in sbatch_script(p, [])
+    assert "#SBATCH --nodes=3" in sbatch_script(p, Trainer(()))
     with pytest.raises(UserError, match="spare_nodes"):
         submit(Submission.parse(p, []), pick("submitit"), True, False)
 
@@ -248,7 +250,7 @@ def _changes(res: dict[str, object]) -> list[list[object]]:
 def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "sekrit-123")
     p = load_profile("dev")
-    assert "sekrit" not in sbatch_script(p, []) + submitit_script(p, [])
+    assert "sekrit" not in sbatch_script(p, Trainer(())) + submitit_script(p, Trainer(()))
     with pytest.raises(UserError, match="secrets"):
         load_profile("dev", {"env.WANDB_API_KEY": "x"})
 
@@ -286,17 +288,17 @@ def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture
 
 def test_render_refuses_quotes_in_log_dir() -> None:
     with pytest.raises(UserError, match="double quote"):
-        render_sbatch(load_profile("dev", {"log_dir": 'a"b'}), "python", [], "t")
+        render_sbatch(load_profile("dev", {"log_dir": 'a"b'}), "python", Trainer(()), "t")
 
 
 def test_gpu_jobs_turn_on_nccls_flight_recorder_with_a_quoted_folder(hostile_dir: Path) -> None:
     p = load_profile("dev", {"gpus_per_node": 1, "log_dir": str(hostile_dir)})
-    lines = "; ".join(x for x in submitit_script(p, []).splitlines() if "nccl_trace" in x)
+    lines = "; ".join(x for x in submitit_script(p, Trainer(())).splitlines() if "nccl_trace" in x)
     shown = subprocess.run(["bash", "-c", f'SLURM_JOB_ID=7; {lines}; printf %s "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"'],
                            capture_output=True, text=True, cwd=hostile_dir).stdout
     assert shown == f"{hostile_dir}/7/nccl-trace-rank-" and not (hostile_dir / "pwned").exists()
-    assert 'nccl_trace="$RUN_DIR/nccl-trace-rank-"' in sbatch_script(p, [])
-    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in sbatch_script(load_profile("dev"), [])  # CPU jobs have no NCCL
+    assert 'nccl_trace="$RUN_DIR/nccl-trace-rank-"' in sbatch_script(p, Trainer(()))
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in sbatch_script(load_profile("dev"), Trainer(()))  # CPU jobs have no NCCL
 
 
 COMMAND = ["python", "train.py", "a b", "x'; touch pwned; echo 'y", "$(touch pwned)", "`touch pwned`", "--lr=1", "*"]
@@ -306,7 +308,7 @@ COMMAND_CASES = [("sbatch", "srun"), ("sbatch", "torchrun"), ("submitit", "srun"
 def command_script(launcher: str, launch: str, **sets: object) -> str:
     p = load_profile("dev", {"launch": launch, **sets})
     cmd = Command(tuple(COMMAND))
-    return sbatch_script(p, [], cmd) if launcher == "sbatch" else submitit_script(p, [], cmd)
+    return sbatch_script(p, cmd) if launcher == "sbatch" else submitit_script(p, cmd)
 
 
 @pytest.mark.parametrize(("launcher", "launch"), COMMAND_CASES)
@@ -360,7 +362,7 @@ def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, r
                                                       records: list[dict[str, object]] | None, before: list[str],
                                                       changes: list[list[object]], exit_code: int) -> None:
     """The rule has one home: submitit's teardown runs the lines an sbatch script ends with."""
-    for script in (submitit_script(load_profile("dev"), []), command_script("submitit", "srun")):
+    for script in (submitit_script(load_profile("dev"), Trainer(())), command_script("submitit", "srun")):
         case = tmp_path / str(len(list(tmp_path.iterdir())))
         case.mkdir()
         res = _run_script(script, case, rc, restarts, marker, records, before)
@@ -369,16 +371,18 @@ def test_submitit_scripts_apply_the_same_requeue_rule(tmp_path: Path, rc: int, r
 
 
 @pytest.mark.parametrize(("args", "module", "expected"), [
-    (["optim.lr=0.1", "train.epochs=2"], None, None),
-    ([], None, None),
-    (["python", "cluster/__init__.py", "x=1"], None, ("python", "cluster/__init__.py", "x=1")),
-    (["python", "-c", "print(1)"], None, ("python", "-c", "print(1)")),
-    (["./run.sh"], None, ("./run.sh",)),
-    (["--lr", "1"], "trainer.launch", ("python", "-m", "trainer.launch", "--lr", "1")),
+    (["optim.lr=0.1", "train.epochs=2", "run.dir=/r"], None, Trainer(("optim.lr=0.1", "train.epochs=2", "run.dir=/r"))),
+    ([], None, Trainer(())),
+    (["python", "cluster/__init__.py", "x=1"], None, Command(("python", "cluster/__init__.py", "x=1"))),
+    (["python", "-c", "print(1)"], None, Command(("python", "-c", "print(1)"))),
+    (["./run.sh"], None, Command(("./run.sh",))),
+    (["--lr", "1"], "trainer.launch", Command(("python", "-m", "trainer.launch", "--lr", "1"))),
 ])
-def test_what_a_submission_runs(args: list[str], module: str | None, expected: tuple[str, ...] | None) -> None:
-    cmd = parse(args, module)
-    assert (cmd.argv if cmd else None) == expected
+def test_what_a_submission_runs(args: list[str], module: str | None, expected: Trainer | Command) -> None:
+    work = parse(args, module)
+    assert work == expected
+    if isinstance(work, Trainer):  # the batch script owns the folder: run.dir= leaves the overrides for RUN_DIR
+        assert (work.overrides, work.run_dir) == (["optim.lr=0.1", "train.epochs=2"], "/r") if args else ([], None)
 
 
 def test_a_bad_module_name_or_a_missing_script_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from cluster.launch.command import Command, requeue_after
+from cluster.launch.command import Work
 from cluster.launch.render import (
+    RUN_DIR_DEFAULT,
     container_prefix,
     doctor_step,
     dq,
@@ -23,9 +24,8 @@ from cluster.launch.render import (
     requeue_rule,
     run_dir_lines,
 )
-from cluster.launch.submission import Submission, python_for, split_run_dir
+from cluster.launch.submission import Submission, python_for
 from cluster.launch.submitit_adapter import renderable, submission_text
-from cluster.launch.task import CommandTask, TrainTask
 from cluster.profile import Profile
 from trainer.core.errors import UserError
 
@@ -76,7 +76,7 @@ class Sbatch:
             _no_grace()
 
     def script(self, s: Submission) -> str:
-        return sbatch_script(s.profile, list(s.args), s.command)
+        return sbatch_script(s.profile, s.work)
 
     def submit(self, s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
         return _submit_sbatch(s, wait, avoid, record)
@@ -100,8 +100,8 @@ class Submitit:
             _no_grace()
 
     def script(self, s: Submission) -> str:
-        print(f"# each task runs: {task_line(s.profile, list(s.args), s.command)}", file=sys.stderr)
-        return submitit_script(s.profile, list(s.args), s.command)
+        print(f"# each task runs: {s.work.task_line(s.profile)}", file=sys.stderr)
+        return submitit_script(s.profile, s.work)
 
     def submit(self, s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
         return _submit_submitit(s, wait, avoid, record)
@@ -117,16 +117,14 @@ def pick(name: str) -> Launcher:
     return LAUNCHERS[name]
 
 
-def sbatch_script(p: Profile, args: list[str], command: Command | None = None) -> str:
-    """The script `LAUNCHER=sbatch` submits: the built-in trainer with overrides ``args``, or ``command``."""
-    rest, run_dir = split_run_dir(args) if command is None else ([], None)
-    return render_sbatch(p, python_for(p), rest, f"rendered from profile {p.name!r} by `python -m cluster submit`",
-                         run_dir=run_dir, command=command)
+def sbatch_script(p: Profile, work: Work) -> str:
+    """The script `LAUNCHER=sbatch` submits: the built-in trainer with its overrides, or a command."""
+    return render_sbatch(p, python_for(p), work, f"rendered from profile {p.name!r} by `python -m cluster submit`")
 
 
-def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = None, command: bool = False) -> Any:
-    """A submitit Slurm executor configured from the profile (``run_dir``: the trainer's, when given; ``args``:
-    the training overrides, which the optional preflight doctor checks with)."""
+def executor(p: Profile, work: Work) -> Any:
+    """A submitit Slurm executor configured from the profile for ``work`` (its run folder, when given; the optional
+    preflight doctor checks with the trainer's overrides)."""
     import submitit
 
     if p.spare_nodes:
@@ -145,14 +143,14 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += [f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
-    setup += run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", "USR2",  # submitit warns with USR2
+    setup += run_dir_lines(shlex.quote(work.run_dir) if work.run_dir else RUN_DIR_DEFAULT, "USR2",  # submitit: USR2
                            p.signal_grace_s)
     host = host_python(p, python_for(p))
     teardown = ["rc=$?  # the tasks' exit code (srun's, the line above)",
-                *requeue_rule(p, host, report=command and not inside)]
+                *requeue_rule(p, host, report=not work.reports_itself and not inside)]
     py = "python3" if inside else shlex.quote(python_for(p))
     doctor = f"srun --kill-on-bad-exit=1 {inside + ' ' if inside else ''}{py} -m trainer.doctor"
-    doctor += "".join(f" {shlex.quote(a)}" for a in split_run_dir(args or [])[0])
+    doctor += "".join(f" {shlex.quote(a)}" for a in work.doctor_args)
     setup += doctor_step(p, [doctor], host)
     params: dict[str, Any] = {
         "name": p.job_name,
@@ -178,19 +176,11 @@ def executor(p: Profile, run_dir: str | None = None, args: list[str] | None = No
 
 
 
-def submitit_script(p: Profile, args: list[str], command: Command | None = None) -> str:
+def submitit_script(p: Profile, work: Work) -> str:
     """The exact batch script submitit would submit for this profile (its submission file text)."""
     with renderable():
-        ex = executor(p, split_run_dir(args)[1], args) if command is None else executor(p, command=True)
+        ex = executor(p, work)
     return submission_text(ex)
-
-
-
-def task_line(p: Profile, args: list[str], command: Command | None) -> str:
-    """What each submitit task runs, as a command line (for dry runs)."""
-    if command is None:
-        return f"python -m trainer {shlex.join(args)}"
-    return f"python -m trainer.launch {shlex.join([*command.launch_args(p), *command.argv])}"
 
 
 
@@ -204,8 +194,8 @@ def tail(path: Path, lines: int = 12) -> str:
 
 
 def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
-    p, command = s.profile, s.command
-    script = sbatch_script(p, list(s.args), command)
+    p = s.profile
+    script = sbatch_script(p, s.work)
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -218,9 +208,8 @@ def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder
         return proc.returncode or 1
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
     record(job_id, str(log))
-    what = f"command: {command}, " if command else ""
     spare = f" + {p.spare_nodes} spare" if p.spare_nodes else ""
-    print(f"submitted job {job_id} (sbatch, {what}{p.nodes}{spare} node(s), profile {p.name})")
+    print(f"submitted job {job_id} (sbatch, {s.work.describe()}{p.nodes}{spare} node(s), profile {p.name})")
     print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
     rc = proc.wait()
     if wait:
@@ -231,17 +220,13 @@ def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder
 
 
 def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
-    p, command = s.profile, s.command
-    ex = executor(p, s.run_dir, list(s.args)) if command is None else executor(p, command=True)
+    p = s.profile
+    ex = executor(p, s.work)
     if avoid:
         ex.update_parameters(slurm_exclude=",".join(avoid))
-    task: TrainTask | CommandTask = (
-        TrainTask(list(s.args)) if command is None
-        else CommandTask(list(command.argv), p.signal, requeue_after(p) if p.requeue_on_signal else None))
-    job = ex.submit(task)
+    job = ex.submit(s.work.task(p))
     record(str(job.job_id), str(Path(job.paths.stdout).parent))
-    what = f"command: {command}, " if command else ""
-    print(f"submitted job {job.job_id} (submitit, {what}{p.nodes} node(s), profile {p.name})")
+    print(f"submitted job {job.job_id} (submitit, {s.work.describe()}{p.nodes} node(s), profile {p.name})")
     print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
     print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
     if not wait:
@@ -255,13 +240,6 @@ def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Record
             print(f"--- last lines of {path}", file=sys.stderr)
             print(tail(Path(path)), end="", file=sys.stderr)
         return 1
-    if command is not None:
-        print(f"job {job.job_id} done: the command exited 0 on {len(results)} task(s)")
-        return 0
-    main = results[0]
-    scores = ", ".join(f"{k[5:]} {v:.4g}" for k, v in main.items() if k.startswith("test_")) or "no evaluation set"
-    print(f"job {job.job_id} done: {scores}, world size {main['world_size']}, checkpoint {main['checkpoint']}")
-    for r in results:
-        checksum = f", parameter checksum {r['param_checksums'][r['rank']]}" if "param_checksums" in r else ""
-        print(f"  rank {r['rank']}: world size {r['world_size']}{checksum}")
+    for line in s.work.results(str(job.job_id), results):
+        print(line)
     return 0

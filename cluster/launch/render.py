@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Protocol
 
-from cluster.launch.command import Command
 from cluster.profile import Profile
-from trainer.core.env import PORT_BASE, PORT_SPAN
+from trainer.core.env import PORT_BASE, PORT_SPAN, default_run_dir
 from trainer.core.errors import UserError
+
+RUN_DIR_DEFAULT = default_run_dir("$SLURM_JOB_ID")
+"""The run folder a batch script uses when neither ``RUN_DIR`` nor ``run.dir=`` names one."""
 
 
 def sbatch_directives(p: Profile) -> list[str]:
@@ -133,12 +136,12 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     ]
 
 
-def command_line(p: Profile, python: str, command: Command) -> list[str]:
+def command_line(p: Profile, python: str, words: list[str]) -> list[str]:
     """The line that starts a user's command in every task, through ``python -m trainer.launch`` (torchrun's
-    variables, the warning signal); ``"$@"``: arguments given to sbatch, appended to the command."""
+    variables, the warning signal) with ``words`` (its options, ``--``, the command); ``"$@"``: arguments given to
+    sbatch, appended to the command."""
     srun, py = _srun(p, python)
-    words = shlex.join([*command.launch_args(p), *command.argv])
-    return [f'{srun} {py} -m trainer.launch {words} "$@"']
+    return [f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
 
 
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
@@ -265,31 +268,39 @@ def environment(p: Profile) -> list[str]:
     ]
 
 
-def render_sbatch(p: Profile, python: str, args: list[str], origin: str, run_dir: str | None = None,
-                  command: Command | None = None) -> str:
-    """The complete batch script for profile ``p``: the built-in trainer with overrides ``args``, or ``command``."""
+class Work(Protocol):
+    """What a job runs, as the renderer needs it (cluster/launch/command.py: the built-in trainer, or a command)."""
+
+    @property
+    def run_dir(self) -> str | None:
+        """The run folder it names (None: ``$RUN_DIR`` or the job's)."""
+
+    @property
+    def reports_itself(self) -> bool:
+        """Whether it writes the run's report (the session does; the batch shell writes a command's)."""
+
+    def prelude(self) -> list[str]:
+        """Lines before the first attempt."""
+        ...
+
+    def attempt(self, p: Profile, python: str) -> list[str]:
+        """An attempt's lines: the optional doctor, then the launch, its exit code in ``$rc``."""
+        ...
+
+
+def render_sbatch(p: Profile, python: str, work: Work, origin: str) -> str:
+    """The complete batch script for profile ``p`` running ``work``."""
     lines = ["#!/bin/bash", f"# {origin}", *sbatch_directives(p), "set -euo pipefail", "", *environment(p)]
     lines += [
-        *run_dir_lines(shlex.quote(run_dir) if run_dir else "runs/$SLURM_JOB_ID", p.signal, p.signal_grace_s,
+        *run_dir_lines(shlex.quote(work.run_dir) if work.run_dir else RUN_DIR_DEFAULT, p.signal, p.signal_grace_s,
                        start=not p.in_place),
         "# The ledger (python -m cluster runs): a job sbatch'ed by hand records itself once; a submitted one is there.",
         f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then {host_python(p, python)} -m cluster.job.ledger register '
         '"$RUN_DIR" "$@" || true; fi',
         "",
         *flight_recorder(p, "$RUN_DIR"),
+        *work.prelude(),
     ]
-    if command is None:
-        lines += [
-            'for arg in "$@"; do',
-            '  if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi',
-            "done",
-        ]
-        doctor = doctor_step(p, launch_line(p, python, args, module="trainer.doctor"), host_python(p, python))
-        launch = launch_line(p, python, args)
-    else:
-        doctor = doctor_step(p, launch_line(p, python, [], module="trainer.doctor", user_args=False),
-                             host_python(p, python))
-        launch = command_line(p, python, command)
-    rule = requeue_rule(p, host_python(p, python), report=command is not None and p.container.runtime == "none")
-    attempt = [*doctor, "rc=0", *launch[:-1], launch[-1] + " || rc=$?", "", *rule]
+    rule = requeue_rule(p, host_python(p, python), report=not work.reports_itself and p.container.runtime == "none")
+    attempt = [*work.attempt(p, python), "", *rule]
     return "\n".join([*lines, *(in_place_loop(p, attempt) if p.in_place else attempt)]) + "\n"

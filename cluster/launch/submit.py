@@ -3,7 +3,6 @@ nodes cannot hold, suspect nodes), then its launcher (cluster/launch/launchers.p
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,8 +13,6 @@ from cluster.launch.launchers import Launcher
 from cluster.launch.submission import Submission
 from cluster.profile import Profile
 from trainer.core.errors import UserError
-from trainer.core.legacy import LEGACY
-from trainer.data.batches import check_worlds
 
 if TYPE_CHECKING:
     from trainer.core.schema import Config
@@ -67,8 +64,7 @@ def check_slurm() -> None:
 def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
     """Submit (or with ``dry_run`` print the script of) one job; with ``wait``, block and report its result."""
     p = s.profile
-    if s.command is None:
-        _check_trainer_args(s.overrides, launcher.warned_with(p), p)
+    s.work.check(p, launcher.warned_with(p))
     launcher.check(s)
     if dry_run:
         print(launcher.script(s), end="")
@@ -80,54 +76,12 @@ def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
 
     def record(job_id: str, log: str) -> None:  # before waiting for the job: where its run folder and logs are
-        run_dir = os.environ.get("RUN_DIR") or s.run_dir or f"runs/{job_id}"
         try:
-            ledger.write(s.record(launcher.name, launcher.task_logs, job_id, str(Path(run_dir).resolve()),
-                                  str(Path(log).resolve())))
+            ledger.write(s.record(launcher.name, launcher.task_logs, job_id, str(Path(log).resolve())))
         except OSError as err:  # the job is submitted; only `runs` will not know it
             print(f"warning: could not record job {job_id} in {ledger.folder()}: {err}", file=sys.stderr)
 
     return launcher.submit(s, wait, suspect_nodes(p), record)
-
-
-def _check_trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
-    """Bad overrides (``run.dir`` taken out) fail here, not on the cluster. The job's warning signal is the profile's,
-    not a trainer key."""
-    for arg in args:
-        key = arg.partition("=")[0]
-        if key == "checkpoint.signal":
-            raise UserError(key, "is no longer a key: the trainer saves on the signal the job is warned "
-                            f"with ({warned_with}, the profile's signal), and on SIGUSR2 and SIGTERM",
-                            "leave it out; another signal: --set signal=USR1 (SET=\"signal=USR1\")")
-        if key in LEGACY:
-            raise UserError(key, f"is no longer a key ({LEGACY[key][1]})", f"leave {arg!r} out")
-    from trainer.builtin.build import checked  # torch: never loaded to list or render
-
-    cfg, params = checked(args)
-    if cfg.data.global_batch_size:  # now, not after the queue wait: every world size the job may start with
-        check_worlds(cfg.data.global_batch_size, p.world_sizes(), cfg.data.batch_size)
-    check_snapshot_room(p, cfg, params)
-
-
-def check_snapshot_room(p: Profile, cfg: Config, params: int | None) -> None:
-    """Memory snapshots that the nodes' /dev/shm (by default half their memory) cannot hold: refused with the
-    figures when asked for (checkpoint.memory=on), one note for auto; nothing when sinfo or the model cannot say."""
-    wanted = cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and p.in_place)
-    mem = nodes.memory_mb(p.partition) if wanted and params else None
-    if not mem or not params:
-        return
-    state = params * 4 * (1 + (2 if cfg.optim.name == "adamw" else 1))  # fp32 weights, optimizer moments
-    world = p.nodes * p.ntasks_per_node
-    share = 2 * p.ntasks_per_node / world if cfg.dist.strategy == "fsdp" and world > p.ntasks_per_node else 1.0
-    need, room = 2 * state * share, mem * 2**20 / 2  # two snapshots kept; fsdp: this node's shards and a partner's
-    if need <= room:
-        return
-    what = (f"memory snapshots need about {need / 2**30:.1f} GiB of /dev/shm on each node, and the nodes of "
-            f"{p.partition or 'the cluster'} have {mem / 1024:.1f} GiB of memory (/dev/shm: usually half)")
-    if cfg.checkpoint.memory == "on":
-        raise UserError("checkpoint.memory", what, "checkpoint.memory=off, or dist.strategy=fsdp on more nodes "
-                        "(each node then holds less)")
-    print(f"note: {what}: the job goes without them (checkpoint.memory=auto)")
 
 
 def load_train_config(args: list[str]) -> Config:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from cluster.launch.command import Command
+from cluster.launch.command import Work
 from cluster.launch.render import (
     _sbatch_path,
-    command_line,
     doctor_step,
     environment,
     flight_recorder,
@@ -31,11 +30,12 @@ def directives(p: Profile, sweep_dir: Path, workers: int) -> list[str]:
             f"#SBATCH --output={_sbatch_path(str(log_path(sweep_dir, '%A_%a')))}"]
 
 
-def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, command: bool, origin: str) -> str:
-    """The complete worker script: set-up, the optional doctor, then the loop: next trial, launch, verdict, end."""
+def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, work: Work, origin: str) -> str:
+    """The complete worker script: set-up, the optional doctor, then the loop: next trial, launch (``work``: the
+    built-in trainer or a command, each trial's arguments given as ``"$@"``), verdict, end."""
     host = host_python(p, python)
-    launch = command_line(p, python, Command(())) if command else launch_line(p, python, [])
-    rule = requeue_rule(p, host, report=command and p.container.runtime == "none")
+    launch = work.launch(p, python)
+    rule = requeue_rule(p, host, report=not work.reports_itself and p.container.runtime == "none")
     assert rule[-1] == 'exit "$verdict"'  # the worker goes on to its next trial instead
     doctor = launch_line(p, python, [], module="trainer.doctor", user_args=False)
     body = [

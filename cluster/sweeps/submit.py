@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.job import ledger
+from cluster.launch.command import Command, Trainer
 from cluster.launch.submission import python_for
 from cluster.launch.submit import check_slurm, load_train_config, suspect_nodes
 from cluster.profile import Profile, load_profile
@@ -129,7 +130,8 @@ def _unwritable(verb: str, sweep_dir: Path, exc: OSError) -> UserError:
 
 def _script(p: Profile, spec: SweepSpec, sweep_dir: Path) -> str:
     origin = f"sweep {spec.name}: {spec.max_parallel} worker(s), rendered by `python -m cluster sweep`"
-    return worker_script(p, python_for(p), sweep_dir, spec.max_parallel, spec.command is not None, origin)
+    work = Command(()) if spec.command is not None else Trainer(())  # each trial's words come as "$@"
+    return worker_script(p, python_for(p), sweep_dir, spec.max_parallel, work, origin)
 
 
 def _show(p: Profile, spec: SweepSpec, planned: list[dict[str, Any]] | None, sweep_dir: Path) -> None:

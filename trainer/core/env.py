@@ -321,6 +321,13 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     return _check(result, names, hint)
 
 
+def default_run_dir(job_id: str) -> str:
+    """A run's folder when none is given (run.dir, RUN_DIR): ``runs/<job id>`` under the folder the job starts in, so
+    that a requeued job finds its checkpoints again. The one place it is decided: the batch scripts render it with
+    ``$SLURM_JOB_ID``, the ledger records it with the job's id, the session uses it."""
+    return f"runs/{job_id}"
+
+
 def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read the process's place from torchrun's variables, else Slurm's, else a single process."""
     env = os.environ if environ is None else environ

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.dist import on_main, say
-from trainer.core.env import DistEnv
+from trainer.core.env import DistEnv, default_run_dir
 from trainer.core.errors import UserError
 from trainer.core.files import write_atomic, write_json
 from trainer.runtime.health.heartbeat import HANG_FOLDER, set_aside
@@ -36,7 +36,7 @@ class RunDir:
         def choose() -> str:
             if wanted:
                 return str(Path(wanted).resolve())
-            path = Path("runs", env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+            path = Path(default_run_dir(env.job_id or datetime.now().strftime("%Y%m%d-%H%M%S"))).resolve()
             return f"{path}-{time.time_ns() % 10**6}" if not env.job_id and path.exists() else str(path)
 
         return cls(Path(on_main(env.is_main, choose)), env)
