@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.job.verdict import DEADLINE, Limits, Verdict, decide, with_deadline
+from cluster.job.judge import DEADLINE, judge
+from cluster.job.rules import Limits, decide
+from trainer.core.records import AttemptEnd, ExitRecord, RequeueMarker
 from trainer.runtime.saving.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
 from . import warm
@@ -88,18 +90,20 @@ def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_a
 
 
 def test_the_verdict_counts_time_limit_requeues_apart_and_stops_a_run_that_cannot_progress(tmp_path: Path) -> None:
-    (tmp_path / "requeue.json").write_text(json.dumps({"signal": "deadline", "step": 7}))
-    v = with_deadline(Verdict("preempted", "saved after the warning signal", step=7), tmp_path)
-    assert v.cause == DEADLINE
+    RequeueMarker("deadline", 7).write(tmp_path)
+    saved = [ExitRecord(rank=0, node="n1", code=75, kind="preempted", step=7)]
+    v = judge(saved, [], 75, RequeueMarker.read(tmp_path))
+    assert v.deadline and v.cause == DEADLINE and v.kind == "preempted"
     limits = Limits(max_requeues=1, max_failures=1, suspects=tmp_path / "s.json", suspect_hours=1)
-    before = [{"class": "preempted", "cause": "saved after the warning signal"}, {"class": "preempted", "cause": DEADLINE,
-                                                                                   "step": 3}]
+    before = [AttemptEnd.from_json(e) for e in ({"class": "preempted", "cause": "saved after the warning signal"},
+                                                {"class": "preempted", "cause": DEADLINE, "step": 3})]
+    assert before[1].deadline  # an earlier layout: the flag from its cause
     action, why = decide(v, before, limits)  # max_requeues=1 is spent on the preemption, not on time limits
     assert action == "requeue" and "requeue 2 (not counted against max_requeues)" in why
-    action, why = decide(v, [*before, {"class": "preempted", "cause": DEADLINE, "step": 7}], limits)
+    action, why = decide(v, [*before, AttemptEnd(kind="preempted", cause=DEADLINE, step=7, deadline=True)], limits)
     assert action == "fail" and "no step was trained since the last time (step 7)" in why
-    (tmp_path / "requeue.json").write_text(json.dumps({"signal": "SIGUSR2", "step": 7}))
-    assert with_deadline(Verdict("preempted", "saved after the warning signal", step=7), tmp_path).cause != DEADLINE
+    RequeueMarker("SIGUSR2", 7).write(tmp_path)
+    assert not judge(saved, [], 75, RequeueMarker.read(tmp_path)).deadline
 
 
 def test_auto_cadence_measures_the_injected_save_cost_and_says_its_interval(tmp_path: Path) -> None:

@@ -391,3 +391,25 @@ def test_a_bad_module_name_or_a_missing_script_is_refused(capsys: pytest.Capture
     assert cluster_main(["submit", "--dry-run", "--", "python", "no/such/train.py", "--lr", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: CMD: 'no/such/train.py' is not a file") and "HINT:" in err
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", "submitit"])
+@pytest.mark.parametrize("offered", [True, False])
+def test_a_dry_run_prints_what_would_be_submitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str], launcher: str,
+                                                 offered: bool) -> None:
+    """The expedited requeue is decided before the script is printed (a Slurm that offers it: the script asks for
+    it), and a job its partition cannot hold is refused by a dry run as by a real one."""
+    usage = "--requeue[=expedite]" if offered else "--requeue"
+    fake = {"sbatch": f"echo '      {usage}     permit the job to be requeued'",
+            "scontrol": "echo 'SlurmctldParameters = enable_expedited_requeue'", "sinfo": "printf 'n1 idle\\nn2 idle\\n'"}
+    for name, body in fake.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    asked = "--requeue=expedite" in out or "'requeue': 'expedite'" in out or "requeue=expedite" in out
+    assert asked is offered, out[:1500]
+    assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--nodes", "3"]) == 2
+    assert "error: NODES: 3 node(s) asked for (3 + 0 spare) but partition dev has 2" in capsys.readouterr().err

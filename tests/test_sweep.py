@@ -23,6 +23,7 @@ from cluster.sweeps import spec as sweep_spec
 from cluster.sweeps import status as sweep_status
 from cluster.sweeps import study as studies
 from cluster.sweeps import submit as sweep
+from cluster.sweeps.folder import SweepFile
 from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.config import load as load_train_config
 from trainer.core.files import write_json
@@ -332,7 +333,7 @@ def local_sweep(tmp_path: Path, text: str) -> Path:
     folder = tmp_path / "sweeps" / "s-1"
     folder.mkdir(parents=True)
     sweep.prepare(str(spec_path), sweep_spec.load_spec(spec_path), "dev", folder,
-                  {"sweep_id": "s-1", "study": "s-1", "target": 0, "arrays": ["900"]})
+                  SweepFile(sweep_id="s-1", study="s-1", arrays=("900",)))
     return folder
 
 

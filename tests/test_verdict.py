@@ -13,16 +13,23 @@ from typing import Any
 import pytest
 
 from cluster.job import placement, suspects
+from cluster.job.judge import Verdict, judge, srun_failures
 from cluster.job.nodes import excluded, job_log, parse_fields
 from cluster.job.placement import Next, Shape
-from cluster.job.verdict import Limits, Verdict, decide, judge, repeated, srun_failures, storm
+from cluster.job.rules import Limits, decide, repeated, storm
 from trainer.core import exits
+from trainer.core.records import AttemptEnd, ExitRecord, RequeueMarker
 
 from .conftest import clean_env
 
 
-def rec(rank: int, node: str, code: int | None, kind: str = "", t: float = 0.0, **more: Any) -> dict[str, Any]:
-    return {"rank": rank, "node": node, "code": code, "class": kind, "cause": more.pop("cause", kind), "t": t, **more}
+def rec(rank: int, node: str, code: int | None, kind: str = "", t: float = 0.0, **more: Any) -> ExitRecord:
+    return ExitRecord.from_json({"rank": rank, "node": node, "code": code, "class": kind, "cause": more.pop("cause", kind),
+                                 "t": t, **more})
+
+
+def ends(*events: dict[str, Any]) -> list[AttemptEnd]:
+    return [AttemptEnd.from_json(e) for e in events]
 
 
 ECHO = {"echo": True, "cause": "lost a peer mid-collective"}
@@ -69,9 +76,9 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
 
 
 @pytest.mark.parametrize(("records", "srun", "rc", "marker", "kind", "blame", "words"), JUDGED)
-def test_judge_names_the_first_cause(records: list[dict[str, Any]], srun: list[tuple[str, str, str]], rc: int,
+def test_judge_names_the_first_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
                                      marker: bool, kind: str, blame: list[str], words: str) -> None:
-    v = judge(records, srun, rc, marker)
+    v = judge(records, srun, rc, RequeueMarker("SIGUSR2") if marker else None)
     assert (v.kind, v.blame) == (kind, blame) and words in v.cause, v
 
 
@@ -102,12 +109,12 @@ LIMITS = Limits(max_requeues=2, max_failures=1, suspects=Path("/nonexistent"), s
     ("resource", [], "fail", "not retried"),
 ])
 def test_decide_keeps_separate_budgets(kind: str, before: list[str], action: str, words: str) -> None:
-    got, why = decide(Verdict(kind, "x"), [{"class": c} for c in before], LIMITS)
+    got, why = decide(Verdict(kind, "x"), ends(*({"class": c} for c in before)), LIMITS)
     assert got == action and words in why, why
 
 
 def test_a_failure_at_the_same_step_on_other_nodes_is_the_codes() -> None:
-    earlier = [{"class": "infrastructure", "step": 40, "blamed": ["n2"]}]
+    earlier = ends({"class": "infrastructure", "step": 40, "blamed": ["n2"]})
     assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=40), earlier) == earlier[0]
     assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=41), earlier) is None
     assert repeated(Verdict("infrastructure", "x", blame=["n2"], step=40), earlier) is None  # the same node again
@@ -229,7 +236,7 @@ def test_a_job_of_two_on_three_nodes_meets_three_faults_and_keeps_running() -> N
 def test_a_storm_of_attempts_without_progress_stops_the_job(progressed: bool | None, before: list[bool],
                                                             after: int, stops: bool) -> None:
     v = Verdict("infrastructure", "rank 1 on n2 was killed", progressed=progressed, start_step=40)
-    events = [{"event": "attempt_end", "class": "infrastructure", "progressed": p} for p in before]
+    events = ends(*({"event": "attempt_end", "class": "infrastructure", "progressed": p} for p in before))
     said = storm(v, events, after)
     assert bool(said) == stops, said
     if stops:
@@ -295,3 +302,22 @@ def test_the_doctor_blames_its_node_only_for_a_node_check(tmp_path: Path, monkey
     _record(0, "n5", [Check(check, FAIL, "broken", "")], 1)
     record = json.loads((tmp_path / "exits" / "5.0" / "doctor-0.json").read_text())
     assert (record["class"], record.get("blame")) == (kind, blame), record
+
+
+@pytest.mark.parametrize("rc", [0, 1, 75, 137])
+@pytest.mark.parametrize("marker", [None, "SIGUSR2", "deadline"])
+@pytest.mark.parametrize("restarts", [0, 1, 2, 3])
+def test_the_shells_fallback_is_the_verdicts_requeue_rule(tmp_path: Path, rc: int, marker: str | None,
+                                                          restarts: int) -> None:
+    """The one requeue rule for a saved run (cluster/job/rules.py), in Python and as the shell condition the batch
+    script falls back to when no verdict can run: the same answer for every exit code, marker and restart count."""
+    from cluster.job.rules import RequeueRule
+
+    rule = RequeueRule(max_requeues=2)
+    if marker:
+        RequeueMarker(marker, 5).write(tmp_path)
+    want = rule.requeues(rc == 75 or marker is not None, marker == "deadline", restarts)
+    shell = subprocess.run(["bash", "-c", f"rc={rc}; if {rule.shell()}; then echo yes; else echo no; fi"],
+                           env={"RUN_DIR": str(tmp_path), "SLURM_RESTART_COUNT": str(restarts), "PATH": "/usr/bin:/bin"},
+                           capture_output=True, text=True)
+    assert shell.stdout.strip() == ("yes" if want else "no"), (shell.stdout, shell.stderr)

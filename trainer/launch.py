@@ -29,7 +29,7 @@ from types import FrameType
 from trainer.core import exits
 from trainer.core.env import DistEnv, discover, job_info, torchrun_environ
 from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of, record_end
-from trainer.core.files import write_atomic
+from trainer.core.records import REQUEUE_MARKER, RequeueMarker
 
 STOP_WAIT_S = 10.0
 """After stopping a command (TERM), seconds before it is killed."""
@@ -74,17 +74,14 @@ class Watch:
 
 def _mark_requeue(env: DistEnv, reason: str) -> None:
     """Rank 0 leaves the requeue marker in $RUN_DIR (unless the command left its own)."""
-    from trainer.runtime.records.rundir import REQUEUE_MARKER  # here: importing it imports torch, which the wrapper needs no more
-
     run_dir = job_info().run_dir
     if env.rank or env.node_rank or not run_dir:
         return
-    marker = Path(run_dir) / REQUEUE_MARKER
-    if not marker.exists():
+    if not (Path(run_dir) / REQUEUE_MARKER).exists():
         try:
-            write_atomic(marker, json.dumps({"by": "trainer.launch", "reason": reason}))
+            RequeueMarker(reason, by="trainer.launch").write(Path(run_dir))
         except OSError as exc:
-            print(f"trainer.launch: cannot leave {marker} ({exc.strerror})", file=sys.stderr)
+            print(f"trainer.launch: cannot leave {Path(run_dir) / REQUEUE_MARKER} ({exc.strerror})", file=sys.stderr)
 
 
 def run(cmd: list[str], warning: str = "USR2", requeue_after: float | None = None, torchrun: int = 0) -> int:

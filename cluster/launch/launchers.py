@@ -193,15 +193,20 @@ def tail(path: Path, lines: int = 12) -> str:
 
 
 
-def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
-    p = s.profile
-    script = sbatch_script(p, s.work)
+def sbatch(script: str, avoid: list[str], wait: bool = False) -> tuple[str, subprocess.Popen[str]]:
+    """Give ``script`` to sbatch, excluding ``avoid``: the job id ("" when refused: its message is on stderr) and the
+    process (with ``wait``, it returns when the job ends). Every sbatch submission goes through here (jobs, sweeps)."""
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *([f"--exclude={','.join(avoid)}"] if avoid else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(script)
     proc.stdin.close()
-    job_id = proc.stdout.readline().strip().split(";")[0]
+    return proc.stdout.readline().strip().split(";")[0], proc
+
+
+def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder) -> int:
+    p = s.profile
+    job_id, proc = sbatch(sbatch_script(p, s.work), avoid, wait)
     if not job_id:
         proc.wait()
         print(f"sbatch refused the job (exit {proc.returncode}); its message is above", file=sys.stderr)

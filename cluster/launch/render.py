@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Protocol
 
+from cluster.job.rules import RequeueRule
 from cluster.profile import Profile
 from trainer.core.env import PORT_BASE, PORT_SPAN, default_run_dir
 from trainer.core.errors import UserError
@@ -159,8 +160,7 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
     if p.container.runtime != "none":  # the host's python3 may be missing: the plain rule still requeues a saved run
         lines += ["if (( verdict == 126 || verdict == 127 )); then",
                   '  echo "no python3 on this host for the verdict: the plain requeue rule" >&2',
-                  f'  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${{SLURM_RESTART_COUNT:-0}} < {p.max_requeues} )) '
-                  '&& scontrol requeue "$SLURM_JOB_ID" && exit 0',
+                  f'  {RequeueRule(p.max_requeues).shell()} && scontrol requeue "$SLURM_JOB_ID" && exit 0',
                   '  exit "$rc"',
                   "fi"]
     if p.in_place:  # the verdict's last line asks for the next attempt here, without the nodes it names

@@ -61,18 +61,25 @@ def check_slurm() -> None:
                         "and run `eval \"$(slurm/dev-cluster.sh env)\"`")
 
 
+def decide(p: Profile) -> None:
+    """What a submission of ``p`` asks Slurm for, decided where Slurm can be asked, before its script is rendered (a
+    dry run prints exactly what would be submitted): the partition can hold it, and whether it asks for an expedited
+    requeue. Every submission goes through here, a job's and a sweep's workers'."""
+    check_fits(p)
+    if p.requeue_expedite == "auto":  # the script says what was decided
+        p.requeue_expedite = "yes" if nodes.offers_expedited_requeue() else "no"
+
+
 def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
     """Submit (or with ``dry_run`` print the script of) one job; with ``wait``, block and report its result."""
     p = s.profile
     s.work.check(p, launcher.warned_with(p))
     launcher.check(s)
+    decide(p)
     if dry_run:
         print(launcher.script(s), end="")
         return 0
     check_slurm()
-    check_fits(p)
-    if p.requeue_expedite == "auto":  # decided here, where Slurm can be asked: the script says what was decided
-        p.requeue_expedite = "yes" if nodes.offers_expedited_requeue() else "no"
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
 
     def record(job_id: str, log: str) -> None:  # before waiting for the job: where its run folder and logs are

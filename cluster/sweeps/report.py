@@ -10,6 +10,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from cluster.sweeps.folder import SweepFile
 from cluster.sweeps.trials import Row, show
 
 
@@ -47,9 +48,9 @@ def plots(study: Any) -> list[tuple[str, str]]:
     return out
 
 
-def write(sweep_dir: Path, data: dict[str, Any], rows: list[Row], study: Any) -> Path:
+def write(sweep_dir: Path, data: SweepFile, rows: list[Row], study: Any) -> Path:
     """sweep.html in ``sweep_dir``."""
-    metric, keys = data["spec"]["metric"], list(data["spec"]["parameters"])
+    metric, keys = data.spec["metric"], list(data.spec["parameters"])
     body = []
     for r in sorted(rows, key=lambda r: r.index):
         report = r.run_dir / "report.html"
@@ -61,12 +62,12 @@ def write(sweep_dir: Path, data: dict[str, Any], rows: list[Row], study: Any) ->
                     + f"<td>{link}</td></tr>")
     figures = "".join(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
                       for title, png in plots(study))
-    name = html.escape(data["sweep_id"])
+    name = html.escape(data.sweep_id)
     page = (f"<!doctype html><meta charset='utf-8'><title>Sweep {name}</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px}tr.pruned{color:#888}"
             "tr.failed{color:#b00}</style>"
-            f"<h1>Sweep {name}</h1><p>{html.escape(data['spec']['method'])} sampler, pruner "
-            f"{html.escape(data['spec']['pruner'])}; ranked by {html.escape(metric)} ({html.escape(data['spec']['mode'])})"
+            f"<h1>Sweep {name}</h1><p>{html.escape(data.spec['method'])} sampler, pruner "
+            f"{html.escape(data.spec['pruner'])}; ranked by {html.escape(metric)} ({html.escape(data.spec['mode'])})"
             "</p><table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in ["trial", *keys, "state", "steps", metric,
                                                                                "run report"])
             + "</tr>" + "".join(body) + "</table>" + figures)

@@ -5,7 +5,6 @@ What `make sweep-status` and `make sweep WAIT=1` print; :mod:`cluster.sweeps.sub
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 from cluster.job.nodes import ask
 from cluster.sweeps import report as sweep_report
-from cluster.sweeps.folder import log_path
+from cluster.sweeps.folder import SweepFile, log_path
 from cluster.sweeps.lost import fail_lost, job_indexes
 from cluster.sweeps.trials import Row, columns, show
 from trainer.core.errors import UserError
@@ -45,15 +44,15 @@ def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
     return states
 
 
-def read_sweep(sweep_dir: Path) -> dict[str, Any]:
+def read_sweep(sweep_dir: Path) -> SweepFile:
     """The sweep's record (sweep.json), or a clear error for a folder that is not a sweep."""
     try:
-        data: dict[str, Any] = json.loads((sweep_dir / "sweep.json").read_text())
+        data = SweepFile.read(sweep_dir)
     except (OSError, ValueError):
         raise UserError("SWEEP_DIR", f"{str(sweep_dir)!r} is not a sweep folder (no readable sweep.json)",
                         "pass a folder under sweeps/ made by `make sweep`, e.g. SWEEP_DIR=sweeps/example-20250101-120000"
                         ) from None
-    if "study" not in data:
+    if data.study is None:
         raise UserError("SWEEP_DIR", f"{sweep_dir} is a sweep of an earlier version (no study)",
                         "its trials' run folders and result.json are still there; submit a new sweep for the table")
     return data
@@ -75,7 +74,7 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
     trials = open_trials(data, sweep_dir)
     study = trials.study
     fail_lost(trials, retry=False)  # retried only while a worker lives to run it
-    slurm = slurm_states([str(a) for a in data.get("arrays", [])])
+    slurm = slurm_states(list(data.arrays))
     rows = []
     for t in study.get_trials(deepcopy=False):
         task = (str(t.user_attrs.get("array", "")), int(t.user_attrs.get("worker", -1)))
@@ -88,14 +87,14 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
         run_dir = Path(t.user_attrs.get("run_dir") or sweep_dir / "trials" / str(t.number))
         rows.append(Row(t.number, dict(t.params), state, raw, value, run_dir, len(steps),
                         f"{task[0]}_{task[1]}" if task[0] else ""))
-    return sorted(rows, key=_sort_key(data["spec"]["mode"])), study
+    return sorted(rows, key=_sort_key(data.spec["mode"])), study
 
 
-def workers_ended(data: dict[str, Any], seen: set[tuple[str, int]], gone: bool) -> tuple[int, int]:
+def workers_ended(data: SweepFile, seen: set[tuple[str, int]], gone: bool) -> tuple[int, int]:
     """(workers ended, workers): by sacct's final states; without accounting, a worker squeue listed once and no longer
     lists has ended (squeue forgets ended jobs), and one never seen counts as ended once ``gone``."""
-    arrays = [str(a) for a in data.get("arrays", [])]
-    workers = [(a, i) for a in arrays for i in range(int(data["spec"]["max_parallel"]))]
+    arrays = list(data.arrays)
+    workers = [(a, i) for a in arrays for i in range(int(data.spec["max_parallel"]))]
     states = slurm_states(arrays)
     seen |= set(states)
     ended = sum(states.get(w, "unknown") in FINISHED or (w not in states and (w in seen or gone)) for w in workers)
@@ -113,7 +112,7 @@ def wait_for(sweep_dir: Path, poll_s: float = 5.0) -> None:
         ended, total = workers_ended(data, seen, time.monotonic() - started > FORGOTTEN_S)
         rows, _ = status(sweep_dir)
         done = sum(r.state in ("complete", "pruned", "failed") for r in rows)
-        line = f"{done}/{data['target']} trials ended ({sum(r.state == 'running' for r in rows)} running)"
+        line = f"{done}/{data.target} trials ended ({sum(r.state == 'running' for r in rows)} running)"
         if line != last:
             print(line, flush=True)
             last = line
@@ -146,15 +145,15 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
 def format_status(sweep_dir: Path, rows: list[Row]) -> str:
     """The status table (trial, swept values, state, steps, metric, worker) and, last, the best trial's run folder."""
     data = read_sweep(sweep_dir)
-    spec = data["spec"]
+    spec = data.spec
     metric, mode, keys = spec["metric"], spec["mode"], list(spec["parameters"])
     body = [[str(r.index), *(show(r.overrides.get(k)) for k in keys), r.state, str(r.steps),
              "-" if r.value is None else f"{r.value:.4f}", r.worker or "-"] for r in rows]
     scored = [r for r in rows if r.state == "complete" and r.value is not None]
     best = (f"best: trial {scored[0].index} ({metric} {scored[0].value}, {mode}): {scored[0].run_dir}" if scored
             else f"best: none yet (no trial has completed with {metric})")
-    arrays = ", ".join(str(a) for a in data.get("arrays", [])) or "(not submitted)"
-    head = (f"sweep {data['sweep_id']}: {spec['method']}, pruner {spec['pruner']}, {len(rows)} of {data['target']} "
+    arrays = ", ".join(data.arrays) or "(not submitted)"
+    head = (f"sweep {data.sweep_id}: {spec['method']}, pruner {spec['pruner']}, {len(rows)} of {data.target} "
             f"trials, workers: array {arrays}; ranked by {metric} ({mode})")
     return f"{head}\n{columns(['trial', *keys, 'state', 'steps', metric, 'worker'], body)}\n{best}"
 

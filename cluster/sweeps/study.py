@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from cluster.sweeps.folder import SweepFile
 from cluster.sweeps.spec import SweepSpec, bad, grid, parameter
 from cluster.sweeps.storage_url import connect_url, with_env_password
 from trainer.core.errors import UserError
@@ -149,18 +150,18 @@ class Trials:
         self.storage.set_trial_state_values(self._id(number), optuna_quiet().trial.TrialState.FAIL)
 
 
-def open_trials(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Trials:
+def open_trials(record: SweepFile, sweep_dir: Path, seed: int = 0) -> Trials:
     """The sweep's study and its storage, the study created on first use (``record``: sweep.json), with its sampler
     seeded by ``seed``."""
-    spec = SweepSpec(**record["spec"])
+    spec = SweepSpec(**record.spec)
     store = storage(connect_url(spec.storage, sweep_dir), sweep_dir)
-    study = optuna_quiet().create_study(storage=store, study_name=record["study"], sampler=sampler(spec, seed),
+    study = optuna_quiet().create_study(storage=store, study_name=record.study, sampler=sampler(spec, seed),
                                    pruner=pruner(spec), load_if_exists=True,
                                    direction="maximize" if spec.mode == "max" else "minimize")
     return Trials(study, store)
 
 
-def open_study(record: dict[str, Any], sweep_dir: Path, seed: int = 0) -> Any:
+def open_study(record: SweepFile, sweep_dir: Path, seed: int = 0) -> Any:
     """The sweep's study (see ``open_trials``)."""
     return open_trials(record, sweep_dir, seed).study
 

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -22,17 +21,18 @@ from typing import Any
 
 from cluster.job import ledger
 from cluster.launch.command import Command, Trainer
+from cluster.launch.launchers import sbatch
 from cluster.launch.submission import python_for
-from cluster.launch.submit import check_slurm, load_train_config, suspect_nodes
+from cluster.launch.submit import check_slurm, decide, load_train_config, suspect_nodes
 from cluster.profile import Profile, load_profile
 from cluster.sweeps import storage_url
 from cluster.sweeps import study as studies
+from cluster.sweeps.folder import SweepFile
 from cluster.sweeps.script import worker_script
 from cluster.sweeps.spec import SweepSpec, bad, load_spec, overrides_text, parameter, trial_args
 from cluster.sweeps.status import finish, read_sweep
 from cluster.sweeps.trials import columns, show
 from trainer.core.errors import UserError
-from trainer.core.files import write_json
 from trainer.data.batches import check_worlds
 
 
@@ -169,6 +169,7 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, resu
     studies.check(spec, sweep_dir)
     planned = (studies.plan(spec, [], spec.trials) if spec.method in ("grid", "random") and record is None else None)
     check_trials(spec, planned if planned is not None else candidates(spec), sweep_dir, p.world_sizes())
+    decide(p)  # as a job's: the partition holds the workers, the expedited requeue (what the dry run shows too)
     if dry_run:
         _show(p, spec, planned, sweep_dir)
         return 0
@@ -179,12 +180,13 @@ def run(spec_path: str, sets: dict[str, object], dry_run: bool, wait: bool, resu
         except OSError as exc:
             raise _unwritable("create", sweep_dir, exc) from None
         p = sweep_profile(spec, sets, sweep_dir)
-        record = {"sweep_id": sweep_dir.name, "study": sweep_dir.name, "target": 0, "arrays": []}
+        decide(p)
+        record = SweepFile(sweep_id=sweep_dir.name, study=sweep_dir.name)
     return _submit(spec_path, spec, p, sweep_dir, record, wait, poll_s)
 
 
-def _check_resume(spec: SweepSpec, record: dict[str, Any], resume: str) -> None:
-    old = record["spec"]
+def _check_resume(spec: SweepSpec, record: SweepFile, resume: str) -> None:
+    old = record.spec
     new = {**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)}
     for key in ("parameters", "metric", "mode", "command", "args", "storage"):
         if old[key] != new[key]:
@@ -192,57 +194,55 @@ def _check_resume(spec: SweepSpec, record: dict[str, Any], resume: str) -> None:
                        "resume with the spec the sweep was made from, changing trials, method, pruner or max_parallel")
 
 
-def prepare(spec_path: str, spec: SweepSpec, profile: str, sweep_dir: Path, record: dict[str, Any]) -> None:
+def prepare(spec_path: str, spec: SweepSpec, profile: str, sweep_dir: Path, record: SweepFile) -> SweepFile:
     """The sweep's folders, sweep.json and study: planned trials (random, grid) enqueued, the target raised by
-    ``trials`` (a grid: by the combinations left)."""
+    ``trials`` (a grid: by the combinations left). Returns the record as written."""
     for sub in ("trials", "workers", "logs"):
         (sweep_dir / sub).mkdir(exist_ok=True)
     # Recorded with the database password hidden; the workers read the whole URL from a file only this user reads.
     storage_url.keep(spec.storage, sweep_dir)
-    record.update(spec_file=str(Path(spec_path).resolve()), profile=profile,
-                  spec={**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)})
-    write_json(sweep_dir / "sweep.json", record)
+    record = record.but(spec_file=str(Path(spec_path).resolve()), profile=profile,
+                        spec={**dataclasses.asdict(spec), "storage": storage_url.hidden(spec.storage)})
+    record.write(sweep_dir)
     study = studies.open_study(record, sweep_dir, spec.seed)
     taken = _taken(study)
     new = studies.plan(spec, taken, spec.trials) if spec.method in ("grid", "random") else None
     for values in new or []:
         study.enqueue_trial(values, skip_if_exists=False)
-    record["target"] = len(taken) + (len(new) if new is not None else spec.trials or 0)
-    write_json(sweep_dir / "sweep.json", record)
+    record = record.but(target=len(taken) + (len(new) if new is not None else spec.trials or 0))
+    record.write(sweep_dir)
+    return record
 
 
-def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record: dict[str, Any], wait: bool,
+def _submit(spec_path: str, spec: SweepSpec, p: Profile, sweep_dir: Path, record: SweepFile, wait: bool,
             poll_s: float) -> int:
-    """Write sweep.json, create the study (enqueue planned trials) and submit one array of workers."""
-    fresh = not record["arrays"]
+    """Write sweep.json, create the study (enqueue planned trials) and submit one array of workers (through the
+    same sbatch call as a job)."""
+    fresh = not record.arrays
     try:
-        prepare(spec_path, spec, p.name, sweep_dir, record)
+        record = prepare(spec_path, spec, p.name, sweep_dir, record)
     except OSError as exc:
         if fresh:
             shutil.rmtree(sweep_dir, ignore_errors=True)
         raise _unwritable("write", sweep_dir, exc) from None
-    avoid = suspect_nodes(p)
-    cmd = ["sbatch", "--parsable", *([f"--exclude={','.join(avoid)}"] if avoid else [])]
-    proc = subprocess.run(cmd, input=_script(p, spec, sweep_dir), capture_output=True, text=True)
-    array = proc.stdout.strip().split(";")[0]
-    if proc.returncode or not array:
-        print(proc.stderr.strip(), file=sys.stderr)
+    array, proc = sbatch(_script(p, spec, sweep_dir), suspect_nodes(p))
+    if proc.wait() or not array:
         print("sbatch refused the sweep's workers; its message is above", file=sys.stderr)
         if fresh:
             shutil.rmtree(sweep_dir, ignore_errors=True)
         return proc.returncode or 1
-    record["arrays"] = [*record["arrays"], array]
-    record["submitted_at"] = datetime.now().astimezone().isoformat(timespec="seconds")
-    write_json(sweep_dir / "sweep.json", record)
+    record = record.but(arrays=(*record.arrays, array),
+                        submitted_at=datetime.now().astimezone().isoformat(timespec="seconds"))
+    record.write(sweep_dir)
     try:  # one record per sweep (RESUME adds its array to it)
-        ledger.write(ledger.Record(kind="sweep", key=record["sweep_id"], name=record["sweep_id"],
-                                   job_id=str(record["arrays"][0]), arrays=tuple(map(str, record["arrays"])),
+        ledger.write(ledger.Record(kind="sweep", key=record.sweep_id, name=record.sweep_id,
+                                   job_id=record.arrays[0], arrays=record.arrays,
                                    run_dir=str(sweep_dir), profile=p.name, launcher="sweep",
-                                   spec_file=record["spec_file"], log=str(sweep_dir / "logs")))
+                                   spec_file=record.spec_file, log=str(sweep_dir / "logs")))
     except OSError as err:
         print(f"warning: could not record sweep {sweep_dir.name} in {ledger.folder()}: {err}", file=sys.stderr)
     shown = os.path.relpath(sweep_dir)  # as `make sweep-status` takes it, from the folder make runs in
-    print(f"submitted sweep {sweep_dir.name}: {record['target']} trials ({spec.method}, pruner {spec.pruner}) run by "
+    print(f"submitted sweep {sweep_dir.name}: {record.target} trials ({spec.method}, pruner {spec.pruner}) run by "
           f"{spec.max_parallel} worker(s) as Slurm array {array} (profile {p.name})")
     print(f"folder: {shown}\nlogs:   {shown}/logs/worker-{array}_<w>.out\n"
           f"status: make sweep-status {shlex.quote('SWEEP_DIR=' + shown)}    squeue -r -j {array}")

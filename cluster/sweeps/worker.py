@@ -24,7 +24,7 @@ from typing import Any
 
 from cluster.job import ledger
 from cluster.sweeps import study as studies
-from cluster.sweeps.folder import log_path
+from cluster.sweeps.folder import SweepFile, log_path
 from cluster.sweeps.lost import fail_lost
 from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.events import read as read_events
@@ -38,9 +38,8 @@ FAILURES_IN_A_ROW = 3
 """A worker whose last trials all failed stops (a broken command fails every trial; one worker's node may be bad)."""
 
 
-def record_of(sweep_dir: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((sweep_dir / "sweep.json").read_text())
-    return data
+def record_of(sweep_dir: Path) -> SweepFile:
+    return SweepFile.read(sweep_dir)
 
 
 def _mine(sweep_dir: Path, worker: int) -> dict[str, Any]:
@@ -76,11 +75,11 @@ def _lock(folder: Path, stale_s: float = 120.0) -> Any:
 
 
 def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial: Any, spec: SweepSpec,
-                      record: dict[str, Any]) -> None:
+                      record: SweepFile) -> None:
     run_dir = sweep_dir / "trials" / str(trial.number)
     run_dir.mkdir(parents=True, exist_ok=True)
-    args = trial_args(spec, trial.params, record["sweep_id"], trial.number)
-    name = f"{record['sweep_id']}-{trial.number}"
+    args = trial_args(spec, trial.params, record.sweep_id, trial.number)
+    name = f"{record.sweep_id}-{trial.number}"
     lines = [f"export RUN_DIR={shlex.quote(str(run_dir))} TRAINER_TRIAL={shlex.quote(name)} "
              f"TRAINER_PRUNING={int(spec.pruner != 'none')}",
              f"set -- {shlex.join(args)}"]
@@ -91,7 +90,7 @@ def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial:
 def next_trial(sweep_dir: Path, worker: int) -> int:
     """Re-attach to this worker's RUNNING trial, or ask for the next one; EXIT_DONE when the study has them all."""
     record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
-    spec = SweepSpec(**record["spec"])
+    spec = SweepSpec(**record.spec)
     with _lock(sweep_dir / "workers"):
         trials = studies.open_trials(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
         study = trials.study
@@ -112,7 +111,7 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
         trials = study.get_trials(deepcopy=False)
         waiting = any(t.state.name == "WAITING" for t in trials)
         counted = [t for t in trials if t.state.name != "WAITING" and "lost" not in t.user_attrs]
-        if not waiting and len(counted) >= record["target"]:
+        if not waiting and len(counted) >= record.target:
             return EXIT_DONE
         trial = study.ask(studies.space(spec))
         for k, v in {"worker": worker, "array": os.environ.get("SLURM_ARRAY_JOB_ID", ""),
@@ -125,9 +124,9 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
     return 0
 
 
-def _record(sweep_dir: Path, worker: int, record: dict[str, Any], number: int, params: dict[str, Any]) -> None:
+def _record(sweep_dir: Path, worker: int, record: SweepFile, number: int, params: dict[str, Any]) -> None:
     """The trial in the ledger (``python -m cluster runs --trials``), under its worker's array task."""
-    name, task = f"{record['sweep_id']}-{number}", f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}"
+    name, task = f"{record.sweep_id}-{number}", f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}"
     try:
         ledger.write(ledger.Record(kind="trial", key=name, name=name, trial=number, worker=worker, job_id=task,
                                    sweep_dir=str(sweep_dir), run_dir=str(sweep_dir / "trials" / str(number)),
@@ -147,7 +146,7 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
     if mine.get("trial") is None:
         return 0
 
-    spec = SweepSpec(**record["spec"])
+    spec = SweepSpec(**record.spec)
     trials = studies.open_trials(record, sweep_dir)
     trial = trials.live(mine["trial"])
     run_dir, offset = Path(mine["run_dir"]), 0
@@ -211,7 +210,7 @@ def end(sweep_dir: Path, worker: int, rc: int) -> int:
         return EXIT_REQUEUED
     relay(sweep_dir, worker, once=True)  # what the trial reported after the relay's last look
     record = record_of(sweep_dir)
-    spec = SweepSpec(**record["spec"])
+    spec = SweepSpec(**record.spec)
     state, value, why = _outcome(run_dir, rc, spec.metric)
     trials = studies.open_trials(record, sweep_dir)
     study = trials.study

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.core.records import ExitRecord, exit_records
+
 FINISHED, PREEMPTED, USER_ERROR, RESOURCE, INFRASTRUCTURE = (
     "finished", "preempted", "user_error", "resource", "infrastructure")
 CLASSES = (FINISHED, PREEMPTED, USER_ERROR, RESOURCE, INFRASTRUCTURE)
@@ -73,11 +75,11 @@ def write(path: Path | None, **fields: Any) -> None:
     """Write (replace) one record atomically; a failure to write never hides how the process ended."""
     if path is None:
         return
-    record = {"node": node_name(), "pid": os.getpid(), "t": round(time.time(), 3), **fields}
+    record = ExitRecord.from_json({"node": node_name(), "pid": os.getpid(), "t": round(time.time(), 3), **fields})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(record, default=str) + "\n")
+        tmp.write_text(json.dumps(record.to_json(), default=str) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
         print(f"exit record {path}: {exc.strerror}", file=sys.stderr)
@@ -152,32 +154,10 @@ def where(exc: BaseException) -> str | None:
     return f"{chosen[-1].filename}:{chosen[-1].lineno}" if chosen else None
 
 
-def records(folder: Path) -> list[dict[str, Any]]:
-    """Every readable record in an attempt's folder."""
-    out = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def describe(record: dict[str, Any]) -> str:
-    """One line: who ended how (``rank 3 on n2: ValueError: … (model.py:30)``)."""
-    where = f" ({record['where']})" if record.get("where") else ""
-    return f"rank {record.get('rank')} on {record.get('node')}: {record.get('cause')}{where}"
-
-
-def is_cause(record: dict[str, Any]) -> bool:
-    """Whether a record tells of a failure of its own: ended, neither finished nor saved (75), and no echo."""
-    return record.get("code") not in (None, 0, 75) and not record.get("echo")
-
-
 def first_failure() -> str | None:
     """For a rank that lost its peer: the failure another rank of this attempt recorded first, if any yet."""
     path = record_path()
     if path is None:
         return None
-    failed = [r for r in records(path.parent) if is_cause(r) and r.get("pid") != os.getpid()]
-    return f"stopped because {describe(min(failed, key=lambda r: r['t']))}" if failed else None
+    failed = [r for r in exit_records(path.parent) if r.is_cause and r.pid != os.getpid()]
+    return f"stopped because {min(failed, key=lambda r: r.t).describe()}" if failed else None

@@ -42,6 +42,7 @@ from trainer.core.env import discover, job_info
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
+from trainer.core.records import RequeueMarker
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
@@ -319,7 +320,7 @@ class Session:
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
             why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
-            run.mark_requeue({"signal": why, "checkpoint": path, "step": self.step})
+            run.mark_requeue(RequeueMarker(why, self.step, path))
             torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
             head = f"{self.preempted_by.name} received" if self.preempted_by else "the time limit is near"
             self.print(f"\n{head}: saved {path} at step {self.step}; exiting with {EXIT_REQUEUE} so the launcher "

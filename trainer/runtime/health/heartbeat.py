@@ -30,6 +30,7 @@ import torch.distributed as dist
 from trainer.core import exits
 from trainer.core.env import DistEnv
 from trainer.core.files import write_atomic, write_json
+from trainer.core.records import exit_records
 
 EXIT_HANG = 3
 """Exit code after a hang report (no step finished for ``dist.heartbeat_timeout_s`` on some rank)."""
@@ -145,7 +146,7 @@ class Heartbeat:
         missing = [r for r in range(world) if r not in beats]
         if missing:  # stuck holding the GIL (no beat written): the missing ones are stuck; their start records say where
             path = exits.record_path(rank=rank)
-            where = {r.get("rank"): r.get("node") for r in exits.records(path.parent)} if path else {}
+            where = {r.rank: r.node for r in exit_records(path.parent)} if path else {}
             stuck, nodes = missing, sorted({str(where.get(r, "?")) for r in missing} - {"?"})
         cause = f"hang: no progress for {silent:.0f} s; " + (
             f"stuck rank(s) {', '.join(map(str, stuck))} on {', '.join(nodes)}" if nodes

@@ -3,7 +3,6 @@ know the path."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,11 +15,9 @@ from trainer.core.dist import on_main, say
 from trainer.core.env import DistEnv, default_run_dir
 from trainer.core.errors import UserError
 from trainer.core.files import write_atomic, write_json
+from trainer.core.records import REQUEUE_MARKER, RequeueMarker
 from trainer.runtime.health.heartbeat import HANG_FOLDER, set_aside
 from trainer.runtime.records.attempts import attempts, figures, summary
-
-REQUEUE_MARKER = "requeue.json"
-"""Left by rank 0 after a preemption save, for launchers that cannot see the exit code (torchrun's agent)."""
 
 
 class RunDir:
@@ -74,10 +71,10 @@ class RunDir:
         if self.env.is_main:
             write_json(self.path / "result.json", result)
 
-    def mark_requeue(self, marker: dict[str, Any]) -> None:
+    def mark_requeue(self, marker: RequeueMarker) -> None:
         """Ask the launcher to requeue (rank 0): the batch script reads this when it cannot see exit code 75."""
         if self.env.is_main:
-            write_atomic(self.path / REQUEUE_MARKER, json.dumps(marker))
+            marker.write(self.path)
 
     def write_report(self) -> dict[str, float]:
         """At the end of a run (rank 0): the report page, made by the report tool as its own program (the runtime
