@@ -163,6 +163,8 @@ def _run_tools(sub: Any) -> None:
     r.add_argument("--trials", action="store_true", help="list sweeps' trials too")
     r.add_argument("--json", action="store_true", help="JSON for scripts")
     r.add_argument("--width", type=int, default=0, help="table width (default: the terminal's)")
+    r.add_argument("-n", type=int, default=0, metavar="N", help="the newest N runs (default: a screenful)")
+    r.add_argument("--all", action="store_true", help="every matching run")
     s = _command(sub, "status", status_cmd, "one run: attempts and causes, progress, ETA, checkpoint, W&B run, logs")
     s.add_argument("run", help="a run folder, job id or name")
     lg = _command(sub, "logs", logs_cmd, "a run's output, one attempt or rank at a time")
@@ -182,8 +184,10 @@ def _run_tools(sub: Any) -> None:
 def runs_cmd(ns: argparse.Namespace) -> int:
     from cluster.runs.table import show
 
-    width = ns.width or shutil.get_terminal_size((120, 24)).columns
-    return show(ns.state, ns.since, ns.pattern, ns.json, ns.trials, width)
+    size = shutil.get_terminal_size((120, 24))
+    # A screenful: the heading and the line about older runs fit with the prompt. JSON (for scripts): every run.
+    limit = None if ns.all or (ns.json and not ns.n) else ns.n or max(10, size.lines - 4)
+    return show(ns.state, ns.since, ns.pattern, ns.json, ns.trials, ns.width or size.columns, limit)
 
 
 def status_cmd(ns: argparse.Namespace) -> int:

@@ -29,6 +29,13 @@ def test_the_docs_build_with_every_link_and_anchor_checked(tmp_path: Path) -> No
     assert {"index.html", "guide/training/index.html", "guide/slurm/index.html", "benchmarks/index.html"} <= pages
 
 
+def test_the_readme_says_where_make_docs_puts_the_site() -> None:
+    """`make docs` runs docs/site.py with its default --out; the README names that folder (it said site/)."""
+    default = re.search(r'"--out", type=Path, default=here / "(\w+)" / "(\w+)"', SITE.read_text())
+    assert default, "docs/site.py's default output folder"
+    assert f"`{default[1]}/{default[2]}/site/`" in (ROOT / "README.md").read_text()
+
+
 @pytest.mark.parametrize(("page", "link", "said"), [
     ("docs/guide/sweeps.md", "[x](training.md#no-such-section)", "no-such-section"),
     ("README.md", "[y](docs/guide/nope.md)", "nope.md"),

@@ -150,6 +150,24 @@ def test_filters_and_json(book: Path, capsys: pytest.CaptureFixture[str], args: 
     assert [r["job"] for r in json.loads(capsys.readouterr().out)] == jobs
 
 
+def test_a_long_ledger_shows_the_newest_screenful_and_says_how_many_more(
+        book: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LINES", "24")  # a terminal of 24 lines, wherever the test runs
+    for i in range(60):
+        job(book, str(1000 + i), f"run-{i}", 60 * (60 - i))  # job 1059 is the newest
+    assert cluster_main(["runs", "-n", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out[1:6]] == ["1059", "1058", "1057", "1056", "1055"]
+    assert out[6] == "… and 55 older runs (--all shows every one, -n N the newest N)" and len(out) == 7
+    assert cluster_main(["runs", "--all"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 61
+    assert cluster_main(["runs"]) == 0  # a screenful
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 22 and out[-1].startswith("… and 40 older runs")
+    assert cluster_main(["runs", "--json"]) == 0  # for scripts: every run
+    assert len(json.loads(capsys.readouterr().out)) == 60
+
+
 def test_an_empty_ledger_and_a_bad_since_say_so(book: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cluster_main(["runs"]) == 0
     assert "no runs recorded in" in capsys.readouterr().out

@@ -264,14 +264,20 @@ def table(found: list[Row], width: int = 120) -> str:
     return "\n".join(lines)
 
 
-def show(state: str | None, since: str | None, pattern: str | None, as_json: bool, trials: bool, width: int) -> int:
-    """Print the runs table (or JSON); a message, not an empty table, when nothing is recorded or matches."""
+def show(state: str | None, since: str | None, pattern: str | None, as_json: bool, trials: bool, width: int,
+         limit: int | None = None) -> int:
+    """Print the runs table (or JSON), the newest ``limit`` rows (None: all) and how many older ones there are; a
+    message, not an empty table, when nothing is recorded or matches."""
     found = select(rows(trials=trials), state, since, pattern)
+    shown = found if limit is None else found[:limit]
     if as_json:
-        print(json.dumps([asdict(r) for r in found], indent=1))
+        print(json.dumps([asdict(r) for r in shown], indent=1))
         return 0
     if not found:
         print(f"no runs recorded in {ledger.folder()}" if not ledger.records() else "no run matches")
         return 0
-    print(table(found, width))
+    print(table(shown, width))
+    if len(found) > len(shown):
+        more = len(found) - len(shown)
+        print(f"… and {more:,} older run{'s' if more > 1 else ''} (--all shows every one, -n N the newest N)")
     return 0
