@@ -13,6 +13,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,14 +79,43 @@ def queued_jobs(env: dict[str, str]) -> set[str]:
     return set(out.split())
 
 
+def outliving(slurm: dict[str, str], wait_s: float = 60) -> dict[int, str]:
+    """Processes of this dev cluster's jobs (their SLURM_CONF is its own) whose job Slurm no longer lists: what a
+    job left running after its end (Slurm's proctrack/linuxproc lets a daemonised child outlive its job). A job that
+    has just ended gets ``wait_s`` for its processes to exit. pid → what it runs."""
+    from benchmarks.common import processes
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        queued = queued_jobs(slurm)
+        found = {pid: f"{' '.join(argv)[:160]} (job {env['SLURM_JOB_ID']})" for pid, env, argv in processes()
+                 if env.get("SLURM_JOB_ID") and env.get("SLURM_CONF") == slurm.get("SLURM_CONF")
+                 and env["SLURM_JOB_ID"] not in queued and _alive(pid)}
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def _leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     before = descendants(os.getpid())
     slurm = request.getfixturevalue("slurm_env") if "slurm_env" in request.fixturenames else None
     jobs = queued_jobs(slurm) if slurm is not None else set()
     yield
-    if slurm is not None:
-        left = sorted(queued_jobs(slurm) - jobs)
-        if left:
-            subprocess.run(["scancel", *left], env=slurm, capture_output=True, timeout=30)
     kill_trees(descendants(os.getpid()) - before - KEPT)
+    if slurm is None:
+        return
+    left = sorted(queued_jobs(slurm) - jobs)
+    if left:
+        subprocess.run(["scancel", *left], env=slurm, capture_output=True, timeout=30)
+    stray = outliving(slurm)
+    kill_trees(set(stray))
+    if stray and not left:  # a hung test's jobs were cancelled just now; a finished job's processes must be gone
+        pytest.fail("processes outlived their Slurm job: " + "; ".join(f"pid {p}: {what}" for p, what in stray.items()))

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from cluster.__main__ import main as cluster_main
+from cluster.launch.command import Trainer
+from cluster.profile import load_profile
 from cluster.sweeps import lost, worker
 from cluster.sweeps import spec as sweep_spec
 from cluster.sweeps import status as sweep_status
@@ -28,7 +30,7 @@ from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.config import load as load_train_config
 from trainer.core.files import write_json
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT, clean_env, free_port
 
 GRID = "parameters: {optim.lr: [0.05, 0.1], data.batch_size: [32, 64]}"
 TPE = "method: tpe\ntrials: 4\nparameters: {optim.lr: {type: float, low: 0.001, high: 0.1, log: true}}"
@@ -426,6 +428,38 @@ def test_a_requeued_worker_re_attaches_and_the_study_holds_each_step_once(
     assert worker.end(folder, 0, 0) == 0
     trial = studies.open_study(worker.record_of(folder), folder).trials[number]
     assert trial.state.name == "PRUNED" and trial.intermediate_values == {10: 0.85, 20: 0.5}
+
+
+def test_the_relay_ends_with_its_trial_and_the_script_kills_the_relay_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    """A relay polls while its trial trains: it ends once the trial has a result (or the worker moved on, or died),
+    and the workers' script holds the relay's own pid (not a subshell's, whose kill left the relay polling)."""
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, 0)
+    assert worker.next_trial(folder, 0) == 0
+    _, run_dir, _ = assignment(folder, 0)
+    relay = subprocess.Popen([sys.executable, "-m", "cluster.sweeps.worker", "relay", str(folder), "--worker", "0"],
+                             cwd=ROOT, env=clean_env({"PYTHONPATH": str(ROOT)}))
+    try:
+        time.sleep(1)
+        assert relay.poll() is None  # the trial trains: the relay polls
+        write_json(run_dir / "result.json", {"outcome": "finished", "test_accuracy": 0.5, "exit_code": 0})
+        assert relay.wait(timeout=120) == 0  # ended on its own, with its trial
+    finally:
+        relay.kill()
+    recorder = tmp_path / "python"  # stands in for the interpreter: says its pid, then polls forever
+    recorder.write_text(f"#!/bin/sh\necho $$ > {shlex.quote(str(tmp_path / 'pid'))}\nexec sleep 600\n")
+    recorder.chmod(0o755)
+    from cluster.sweeps.script import worker_script
+
+    text = worker_script(load_profile("dev"), str(recorder), folder, 1, Trainer(()), "test")
+    (line,) = [x.strip() for x in text.splitlines() if " relay " in x and "relay=$!" in x]
+    shell = subprocess.run(["bash", "-c", f'sweep={shlex.quote(str(folder))}; {line}; sleep 1; echo "$relay"; '
+                            'kill "$relay"; wait "$relay" 2>/dev/null; echo done'], capture_output=True, text=True,
+                           timeout=60)
+    started, said = (tmp_path / "pid").read_text().strip(), shell.stdout.split()
+    assert said == [started, "done"], (said, started, shell.stderr)
+    assert not Path(f"/proc/{started}").exists() or "Z" in Path(f"/proc/{started}/stat").read_text().split()[2]
 
 
 def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(

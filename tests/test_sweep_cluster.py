@@ -156,7 +156,7 @@ def test_a_sweep_in_mariadb_fails_and_reruns_the_trial_of_a_cancelled_worker(
     leaks = [p for p in [*folder.rglob("*"), *Path(env["TRAINER_LEDGER"]).rglob("*")]
              if p.is_file() and p.name != "storage-url" and password.encode() in p.read_bytes()]
     assert not leaks and (folder / "storage-url").stat().st_mode & 0o777 == 0o600, leaks
-    assert ":***@" in record_of(folder)["spec"]["storage"]
+    assert ":***@" in record_of(folder).spec["storage"]
 
     # One W&B run per trial, grouped by the sweep, named after the trial.
     t = retry.number

@@ -47,7 +47,8 @@ def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, work: 
         "job_event job_start",
         'echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2',
         "# The trial's intermediate values into the study, the pruner's answer back, while it trains.",
-        'worker_py relay "$sweep" & relay=$!',
+        # exec: $! is the relay itself, not a subshell that runs it (killing that left the relay running).
+        f'( exec {shlex.quote(python)} -m cluster.sweeps.worker relay "$sweep" ) & relay=$!',
         "rc=0",
         *launch[:-1],
         launch[-1] + " || rc=$?",

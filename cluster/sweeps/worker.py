@@ -151,7 +151,11 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
     trial = trials.live(mine["trial"])
     run_dir, offset = Path(mine["run_dir"]), 0
     reported = set(trials.frozen(mine["trial"]).intermediate_values)
+    parent = os.getppid()
     while True:
+        # The trial has ended (its result, or the worker went on to another) or the worker is gone: one last pass.
+        last = once or os.getppid() != parent or (run_dir / "result.json").exists() \
+            or _mine(sweep_dir, worker).get("trial") != mine["trial"]
         offset, rows = _new_lines(run_dir / "reports.jsonl", offset)
         for row in rows:
             step, value = row.get("step"), row["value"] if "value" in row else row.get("values", {}).get(spec.metric)
@@ -163,7 +167,7 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
                 reported.add(step)
             prune = spec.pruner != "none" and trial.should_prune()
             write_json(run_dir / "pruning.json", {"step": step, "prune": bool(prune)})
-        if once:
+        if last:
             return 0
         time.sleep(poll_s)
 
