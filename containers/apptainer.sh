@@ -60,7 +60,7 @@ cmd_up() {
 hosts="'"$STATE"'/hosts-$(md5sum </etc/hosts | cut -c1-12)"
 [[ -s $hosts ]] || { cp /etc/hosts "$hosts.$$" && mv "$hosts.$$" "$hosts"; }
 export APPTAINER_BIND="${APPTAINER_BIND:+$APPTAINER_BIND,}$hosts:/etc/hosts"'
-    write_wrappers "$STATE/bin" "$PIDFILE" "Apptainer (Debian $SUITE)" "$prelude" apptainer
+    write_wrappers "$STATE/bin" "$PIDFILE" "Apptainer (Debian $SUITE)" "$prelude" apptainer unsquashfs
     "$STATE/bin/apptainer" --version >&2 || die "apptainer does not answer inside the root (see $STATE/ns.log)"
     say "up: $STATE/bin/apptainer"
     print_env

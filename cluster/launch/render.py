@@ -58,6 +58,7 @@ def _sbatch_path(path: str) -> str:
 
 
 DOCKER_TASK = Path(__file__).resolve().parents[2] / "containers" / "docker-task.sh"
+APPTAINER_TASK = DOCKER_TASK.with_name("apptainer-task.sh")
 
 
 def container_prefix(p: Profile) -> str:
@@ -69,9 +70,9 @@ def container_prefix(p: Profile) -> str:
     c = p.container
     image = shlex.quote(c.image or "")
     mounts = c.mounts  # checked by the profile: no characters the shell treats specially
-    if c.runtime == "apptainer":
+    if c.runtime == "apptainer":  # a SIF unpacked once per node: a squashfuse mount dies of Slurm's signals
         nv = "--nv " if p.gpus_per_node else ""
-        return f'apptainer exec {nv}--bind "{",".join(["$PWD", "$RUN_DIR", *mounts])}" {image}'
+        return f'{shlex.quote(str(APPTAINER_TASK))} {nv}--bind "{",".join(["$PWD", "$RUN_DIR", *mounts])}" -- {image}'
     if c.runtime == "pyxis":
         binds = ",".join(["$PWD:$PWD", "$RUN_DIR:$RUN_DIR", *mounts])
         return f'--container-image={image} --container-mounts="{binds}" --container-workdir="$PWD"'

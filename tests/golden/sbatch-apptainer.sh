@@ -36,21 +36,21 @@ done
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
-  srun --kill-on-bad-exit=1 --label apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
+  srun --kill-on-bad-exit=1 --label <cwd>/containers/apptainer-task.sh --bind "$PWD,$RUN_DIR,/data:/data" -- img:1 python3 -m trainer.doctor optim.lr=0.1 "$@" || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
     verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     if (( verdict == 126 || verdict == 127 )); then
       echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
       exit "$rc"
     fi
     exit "$verdict"
   fi
 fi
 rc=0
-srun --kill-on-bad-exit=1 --label apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer optim.lr=0.1 "$@" || rc=$?
+srun --kill-on-bad-exit=1 --label <cwd>/containers/apptainer-task.sh --bind "$PWD,$RUN_DIR,/data:/data" -- img:1 python3 -m trainer optim.lr=0.1 "$@" || rc=$?
 
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
@@ -58,7 +58,7 @@ trap '' TERM
 verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 if (( verdict == 126 || verdict == 127 )); then
   echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
   exit "$rc"
 fi
 exit "$verdict"

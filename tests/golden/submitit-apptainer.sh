@@ -30,14 +30,14 @@ echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SL
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
-  srun --kill-on-bad-exit=1 apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -m trainer.doctor optim.lr=0.1 || rc=$?
+  srun --kill-on-bad-exit=1 <cwd>/containers/apptainer-task.sh --bind "$PWD,$RUN_DIR,/data:/data" -- img:1 python3 -m trainer.doctor optim.lr=0.1 || rc=$?
   if (( rc )); then
     echo "preflight doctor failed (its table, or the launch error, is above)" >&2
     trap '' TERM
     verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     if (( verdict == 126 || verdict == 127 )); then
       echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
       exit "$rc"
     fi
     exit "$verdict"
@@ -46,7 +46,7 @@ fi
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/slurm/%j/%j_%t_log.err --kill-on-bad-exit=1 apptainer exec --bind "$PWD,$RUN_DIR,/data:/data" img:1 python3 -u -m submitit.core._submit <cwd>/runs/slurm/%j
+srun --unbuffered --output <cwd>/runs/slurm/%j/%j_%t_log.out --error <cwd>/runs/slurm/%j/%j_%t_log.err --kill-on-bad-exit=1 <cwd>/containers/apptainer-task.sh --bind "$PWD,$RUN_DIR,/data:/data" -- img:1 python3 -u -m submitit.core._submit <cwd>/runs/slurm/%j
 
 
 # teardown
@@ -57,7 +57,7 @@ trap '' TERM
 verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 if (( verdict == 126 || verdict == 127 )); then
   echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
   exit "$rc"
 fi
 exit "$verdict"

@@ -37,7 +37,7 @@ if [[ "${DOCTOR:-0}" == 1 ]]; then
     verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
     if (( verdict == 126 || verdict == 127 )); then
       echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+      [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
       exit "$rc"
     fi
     exit "$verdict"
@@ -57,7 +57,7 @@ trap '' TERM
 verdict=0; PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 || verdict=$?
 if (( verdict == 126 || verdict == 127 )); then
   echo "no python3 on this host for the verdict: the plain requeue rule" >&2
-  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && (( ${SLURM_RESTART_COUNT:-0} < 3 )) && scontrol requeue "$SLURM_JOB_ID" && exit 0
+  [[ $rc -eq 75 || -f "$RUN_DIR/requeue.json" ]] && { grep -qs '"signal": "deadline"' "$RUN_DIR/requeue.json" || (( ${SLURM_RESTART_COUNT:-0} < 3 )); } && scontrol requeue "$SLURM_JOB_ID" && exit 0
   exit "$rc"
 fi
 exit "$verdict"
