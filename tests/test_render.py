@@ -20,7 +20,7 @@ from cluster.launch.submit import submit
 from cluster.profile import load_profile
 from trainer.core.errors import UserError
 
-from .conftest import ROOT
+from .conftest import ROOT, clean_env
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = ["optim.lr=0.1", "run.name=a'; touch pwned; echo 'x", 'run.name="$(touch pwned)"', "run.name=a b;c|d`touch pwned`"]
@@ -413,3 +413,46 @@ def test_a_dry_run_prints_what_would_be_submitted(tmp_path: Path, monkeypatch: p
     assert asked is offered, out[:1500]
     assert cluster_main(["submit", "--launcher", launcher, "--dry-run", "--nodes", "3"]) == 2
     assert "error: NODES: 3 node(s) asked for (3 + 0 spare) but partition dev has 2" in capsys.readouterr().err
+
+
+PREVIOUS = GOLDEN / "previous"
+"""Batch scripts as the release before cluster/ became packages (3239243) rendered them: jobs queued or requeued
+across an upgrade run these with the new code."""
+
+
+def _previous(name: str) -> str:
+    return (PREVIOUS / name).read_text().replace("<python>", sys.executable).replace("<cwd>", str(ROOT))
+
+
+@pytest.mark.parametrize(("rc", "records", "changes", "exit_code"), [
+    (137, KILLED, [REQUEUE, EXCLUDE_N2], 0),  # the verdict ran (cluster.verdict): requeued without the blamed node
+    (75, None, [REQUEUE], 0),
+    (1, USER_BUG, [], 1),
+])
+def test_a_batch_script_of_the_previous_release_runs_against_this_code(
+        tmp_path: Path, rc: int, records: list[dict[str, object]] | None, changes: list[list[object]],
+        exit_code: int) -> None:
+    res = _run_script(_previous("sbatch-srun-nodes2.sh"), tmp_path, rc, 0, False, records)
+    assert _changes(res) == changes and res["rc"] == exit_code, res
+    assert "No module named" not in str(res["out"]), res["out"]
+    ends = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert ends[-1]["event"] == "attempt_end"
+
+
+def test_the_previous_releases_other_entry_points_still_answer(tmp_path: Path) -> None:
+    """The submitit script's teardown (cluster.verdict), a hand-run job's ledger record (cluster.ledger register),
+    a sweep worker (cluster.worker) and submitit's pickled tasks (cluster.task): each still reaches this code."""
+    import pickle
+
+    from cluster.launch.task import TrainTask
+
+    assert "-m cluster.verdict" in _previous("submitit-srun-nodes2.sh")
+    for argv, said in ([["-m", "cluster.ledger"], "usage: python -m cluster.job.ledger register"],
+                       [["-m", "cluster.worker", "--help"], "usage: python -m cluster.sweeps.worker"],
+                       [["-m", "cluster.verdict", "--help"], "usage: python -m cluster.job.verdict"]):
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=clean_env())
+        assert said in proc.stdout + proc.stderr, (argv, proc.stdout, proc.stderr)
+    old = pickle.dumps(TrainTask(["optim.lr=0.1"]), protocol=0).replace(b"cluster.launch.task", b"cluster.task")
+    assert b"ccluster.task\nTrainTask" in old
+    task = pickle.loads(old)
+    assert isinstance(task, TrainTask) and task.args == ["optim.lr=0.1"]

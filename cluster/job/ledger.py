@@ -213,8 +213,14 @@ def register(run_dir: str, args: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m cluster.job.ledger register RUN_DIR [ARGS…]
-    if len(sys.argv) < 3 or sys.argv[1] != "register":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.job.ledger register RUN_DIR [ARGS…]`` (what a batch script runs)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2 or args[0] != "register":
         print("usage: python -m cluster.job.ledger register RUN_DIR [ARGS...]", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(register(sys.argv[2], sys.argv[3:]))
+        return 2
+    return register(args[1], args[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
