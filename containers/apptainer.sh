@@ -24,10 +24,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../slurm/dev-cluster-root.sh"
 say() { echo "apptainer [$SECONDS s]: $*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
 
-alive() {
-    local pid
-    pid="$(cat "$PIDFILE" 2>/dev/null)" && [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == sleep ]]
-}
+alive() { "${SUPERVISOR[@]}" pid "$PIDFILE" --comm sleep >/dev/null; }
 
 print_env() {
     # shellcheck disable=SC2016  # $PATH expands where the line is evaluated

@@ -49,44 +49,16 @@ print_env() {
 
 is_up() { [[ -S $SOCK ]] && dk info >/dev/null 2>&1; }
 
+SUPERVISOR=(python3 "$(dirname "${BASH_SOURCE[0]}")/../slurm/daemons.py")  # our daemons: which run, stopping them
+alive() { "${SUPERVISOR[@]}" alive "$1"; }
+
 # pid from FILE if that process is alive and is one of ours (its command line names
 # the state folder), so a stale pid file can never make us signal a stranger.
-our_pid() {
-  local file=$1 pid cmd
-  [[ -s $file ]] || return 1
-  pid=$(<"$file")
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  # Read into a variable, not through a pipe: with pipefail, `tr | grep -q` can
-  # fail on SIGPIPE although the name is there.
-  cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
-  [[ $cmd == *"$STATE"* ]] || return 1
-  echo "$pid"
-}
-
-# Alive and not a zombie: our daemons' parent is PID 1, which may reap late,
-# and kill -0 succeeds on a zombie.
-alive() {
-  local stat
-  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  stat=${stat##*) }   # the state letter follows "(comm) "
-  [[ ${stat:0:1} != Z ]]
-}
+our_pid() { "${SUPERVISOR[@]}" pid "$1" --cmdline-has "$STATE"; }
 
 # TERM, wait up to ~10 s, then KILL.
 stop_pid() {
-  local pid=$1 name=$2 i
-  kill -TERM "$pid" 2>/dev/null || return 0
-  for ((i = 0; i < 100; i++)); do
-    alive "$pid" || return 0
-    sleep 0.1
-  done
-  log "$name (pid $pid) ignored TERM for 10 s; sending KILL"
-  kill -KILL "$pid" 2>/dev/null || true
-  for ((i = 0; i < 50; i++)); do
-    alive "$pid" || return 0
-    sleep 0.1
-  done
-  log "WARNING: $name (pid $pid) is still there after KILL"
+  "${SUPERVISOR[@]}" stop --grace 10 --name "$2" "$1" || log "WARNING: $2 (pid $1) is still there after KILL"
 }
 
 # Our containers' ids: the folder names under the data root.
@@ -102,18 +74,9 @@ container_ids() {
 # our containerd's address (the shims, which outlive containerd by design).
 # Used only when a daemon died without cleaning up.
 leftover_pids() {
-  local ids p cmd
+  local ids
   mapfile -t ids < <(container_ids)
-  for p in /proc/[0-9]*; do
-    p=${p#/proc/}
-    [[ $p == "$$" || $p == "$BASHPID" ]] && continue
-    if ((${#ids[@]})) && grep -qF "${ids[@]/#/-e}" "/proc/$p/cgroup" 2>/dev/null; then
-      echo "$p"
-    else
-      cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline") || continue
-      if [[ $cmd == *"-address $CTRD_SOCK "* ]]; then echo "$p"; fi
-    fi
-  done
+  "${SUPERVISOR[@]}" left --cgroup "${ids[@]}" "--cmdline-has=-address $CTRD_SOCK "
 }
 
 # Mount points at or under the state folder, deepest first. /proc/mounts writes

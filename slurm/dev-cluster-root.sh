@@ -12,6 +12,8 @@ ROOT=""  # the Debian root of another Slurm version (cmd_up sets it)
 COMMANDS=(sbatch srun salloc squeue sacct sacctmgr scontrol scancel sinfo sstat sprio sreport sshare)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PROJECT="$(cd "$HERE/.." && pwd)"
+# shellcheck disable=SC2034  # used by the scripts that source this one
+SUPERVISOR=(python3 "$HERE/daemons.py")  # which daemons of ours run, stopping them, their leftovers
 
 # The version asked for (SLURM, else the one recorded in an existing state folder): sets SLURM_VERSION and
 # ROOT_SUITE (empty: this machine's own Slurm). An unknown version is refused with the ones offered (exit 2).

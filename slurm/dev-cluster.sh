@@ -69,42 +69,14 @@ usage() {
 # pids
 # ---------------------------------------------------------------------------------------------
 
-# Prints the pid recorded for daemon NAME if that process is alive (not a zombie: PID 1 on some
-# machines never reaps orphans) and still runs the expected command; fails otherwise.
-live_pid() {
-    local name="$1" comm="$2" pid state
-    [[ -s "$PID_DIR/$name.pid" ]] || return 1
-    pid="$(tr -dc '0-9' <"$PID_DIR/$name.pid")"
-    [[ -n "$pid" && -r "/proc/$pid/stat" ]] || return 1
-    state="$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
-    [[ "$state" != Z && "$state" != X ]] || return 1
-    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]] || return 1
-    echo "$pid"
-}
-
-pid_alive() {  # alive and not a zombie
-    local state
-    state="$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
-    [[ -n "$state" && "$state" != Z && "$state" != X ]]
-}
+# Prints the pid recorded for daemon NAME if that process is alive (not a zombie) and still runs the expected
+# command COMM; fails otherwise (slurm/daemons.py).
+live_pid() { "${SUPERVISOR[@]}" pid "$PID_DIR/$1.pid" --comm "$2"; }
 
 # Sends TERM to PIDS, waits up to 8 s for them to exit, then sends KILL.
 stop_pids() {
-    local pid deadline=$((SECONDS + 8)) left
     (($# > 0)) || return 0
-    kill -TERM "$@" 2>/dev/null || true
-    while :; do
-        left=()
-        for pid in "$@"; do pid_alive "$pid" && left+=("$pid"); done
-        ((${#left[@]} > 0)) || return 0
-        if ((SECONDS >= deadline)); then
-            say "still running after 8 s, killing: ${left[*]}"
-            kill -KILL "${left[@]}" 2>/dev/null || true
-            sleep 0.2
-            return 0
-        fi
-        sleep 0.1
-    done
+    "${SUPERVISOR[@]}" stop --grace 8 --name dev-cluster "$@" || true
 }
 
 # Waits up to SECS seconds for COMMAND to succeed; on timeout says what it waited for, shows the
@@ -579,10 +551,7 @@ stop_all() {
     ns="$(cat "$STATE/mntns" 2>/dev/null || true)"
     if [[ -n "$ns" && "$ns" != "$(stat -L -c %i /proc/self/ns/mnt)" &&
         "$ns" != "$(stat -L -c %i /proc/1/ns/mnt 2>/dev/null)" ]]; then
-        mapfile -t pids < <(stat -L -c '%i %n' /proc/[0-9]*/ns/mnt 2>/dev/null |
-            awk -v ns="$ns" '$1 == ns { split($2, p, "/"); print p[3] }')
-        left=()
-        for pid in "${pids[@]}"; do pid_alive "$pid" && left+=("$pid"); done
+        mapfile -t left < <("${SUPERVISOR[@]}" left --mntns "$ns")
         ((${#left[@]} == 0)) || { say "stopping ${#left[@]} leftover job process(es)"; stop_pids "${left[@]}"; }
     fi
 
