@@ -67,11 +67,12 @@ def _job(nproc: int, args: list[str]) -> dict[str, Any]:
     return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
 
 
-def memory_rows(dim: int, layers: int) -> list[dict[str, Any]]:
-    """Per-rank bytes with ddp and fsdp, on 1 and 2 processes (one job each: the sizes are exact, not timed)."""
+def memory_rows(dim: int, layers: int, counts: tuple[int, ...] = (1, 2)) -> list[dict[str, Any]]:
+    """Per-rank bytes with ddp and fsdp, on each of ``counts`` processes (one job each: the sizes are exact, not
+    timed)."""
     rows = []
     for strategy in ("ddp", "fsdp"):
-        for nproc in (1, 2):
+        for nproc in counts:
             r = _job(nproc, ["--strategy", strategy, "--format", "auto", "--saves", "0", "--dim", str(dim),
                              "--layers", str(layers)])
             worst = max(r["per_rank"], key=lambda s: s["total"])

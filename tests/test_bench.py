@@ -12,16 +12,16 @@ import pytest
 from .conftest import ROOT, clean_env
 
 
-@pytest.mark.timeout(900)  # about 3 minutes alone, several times that beside two other workers on 2 cores
+@pytest.mark.timeout(900)  # about a minute alone, a few times that beside two other workers on 2 cores
 def test_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                           env=clean_env(), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     t = results["trainer_and_bare"]
-    assert [(r["processes"], r["batch_per_process"]) for r in t["rows"]] == [(1, 32), (2, 32), (1, 64)]
+    assert [(r["processes"], r["batch_per_process"]) for r in t["rows"]] == [(1, 32), (2, 32)]  # no strong scaling
     assert all(r["trainer_vs_bare"]["values"][0] > 0 for r in t["rows"])
-    assert t["weak"]["bare"]["median"] > 0 and t["strong"]["trainer"]["median"] > 0
+    assert t["weak"]["bare"]["median"] > 0 and t["weak"]["trainer"]["median"] > 0 and t["strong"] is None
     ck = results["checkpoint"][0]
     assert ck["sync_s"]["median"] > 0 and len(ck["speed_vs_raw"]["values"]) == 1
     assert (tmp_path / "benchmarks-scaling.png").stat().st_size > 1000
