@@ -22,7 +22,8 @@ SIF ?= slurm-ddp-trainer.sif
 IMAGE_TAR ?=
 
 REPEATS ?= 3
-JOBS ?= auto
+# A worker per core and one more: tests wait on processes, sockets and Slurm part of the time.
+JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
 
 SWEEP ?= cluster/sweeps/example.yaml
 SWEEP_DIR ?=
@@ -44,7 +45,7 @@ venv: $(BIN)/.installed  ## create .venv with the project and its dev tools
 train: venv  ## train the built-in default locally: NPROC processes (CPU or GPUs), ARGS="key=value ..."
 	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) -m trainer $(ARGS)
 
-test: venv  ## run the test suite on JOBS pytest-xdist workers (default: one per core; JOBS=0 runs it in this process)
+test: venv  ## run the test suite on JOBS pytest-xdist workers (default: cores + 1; JOBS=0 runs it in this process)
 	$(BIN)/pytest -n $(JOBS) --dist loadgroup
 
 lint: venv  ## ruff, mypy and the dependency rule (import-linter contracts in .importlinter)

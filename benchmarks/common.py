@@ -91,6 +91,25 @@ def torchrun(nproc: int, target: list[str], ok_if: str = "",
     return proc, launched
 
 
+def ranks(nproc: int, target: list[str]) -> str:
+    """Run ``target`` as ``nproc`` ranks started directly, as srun starts them (no torchrun agent: for measurements
+    inside the ranks, where launching is not what is measured); rank 0's output."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, *target], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**clean_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": port})
+             for r in range(nproc)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{' '.join(target)} failed:\n" + "\n".join(o[-2000:] for o in outs))
+    return outs[0]
+
+
 def trainer_run(nproc: int, args: list[str], tmp: Path, device: str = "cpu") -> dict[str, Any]:
     """The built-in trainer: its result.json, plus launch → first optimizer step in seconds."""
     run = Path(tempfile.mkdtemp(dir=tmp))

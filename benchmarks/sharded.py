@@ -61,10 +61,10 @@ def measure(ns: argparse.Namespace) -> None:
 
 
 def _job(nproc: int, args: list[str]) -> dict[str, Any]:
-    from benchmarks.common import torchrun
+    from benchmarks.common import ranks
 
-    proc, _ = torchrun(nproc, [str(Path(__file__)), *args])
-    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+    out = ranks(nproc, [str(Path(__file__)), *args])
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
 
 
 def memory_rows(dim: int, layers: int, counts: tuple[int, ...] = (1, 2)) -> list[dict[str, Any]]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.data.samplers import ResumableSampler, ShardSampler
 
-from .conftest import ROOT, clean_env, ok
+from .conftest import ROOT, ok, spawn_ranks, wait_ranks
 
 
 def env_of(rank: int, world: int) -> DistEnv:
@@ -59,10 +57,9 @@ def test_permutation_does_not_depend_on_world_size() -> None:
 
 
 def test_two_real_processes_get_disjoint_covering_shards_that_change_with_the_epoch() -> None:
-    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              str(ROOT / "tests" / "scripts" / "sampler_check.py")],
-                             env=clean_env(), capture_output=True, text=True, timeout=180, cwd=ROOT))
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    script = ROOT / "tests" / "scripts" / "sampler_check.py"
+    proc = ok(wait_ranks(spawn_ranks([], ROOT, 2, script=script, split=True), [str(script)], 180))
+    report = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
     n = report["n"]
     for ranks in report["epochs"]:
         r0, r1 = ranks
