@@ -83,7 +83,8 @@ def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_a
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     near = next(e for e in events if e["event"] == "deadline")
     saved = [e for e in events if e["event"] == "checkpoint"][-1]
-    assert near["left_s"] < near["margin_s"] and saved["step"] == marker["step"]
+    # Both are rounded to 0.1 s in the event: equal there when the time left was a hair below the margin.
+    assert near["left_s"] <= near["margin_s"] and saved["step"] == marker["step"]
     assert saved["t"] < near["t"] + near["left_s"], (saved, near)  # the save ended before the limit, not after it
     ok(run_trainer([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, nproc=2))
     assert result_of(run)["param_checksums"] == result_of(ref)["param_checksums"]
