@@ -34,5 +34,5 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"CPU seconds: {sum(SPENT.values()):.0f} in all; the costliest 40")
-    for nodeid, cpu in sorted(SPENT.items(), key=lambda kv: -kv[1])[:40]:
+    for nodeid, cpu in sorted(SPENT.items(), key=lambda kv: -kv[1])[:int(os.environ.get("TRAINER_TEST_CPU_TOP", "40"))]:
         terminalreporter.write_line(f"{cpu:7.1f}  {nodeid}")
