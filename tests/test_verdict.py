@@ -53,6 +53,9 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
      "infrastructure", ["n1"], "NCCL"),
     ([], [], 1, False, "user_error", [], "without a record"),  # e.g. the image lacks a module the tasks import
     ([], [("n3", "0", "Killed")], 137, False, "infrastructure", ["n3"], "killed"),
+    # Slurm refused the step before any task started: the placement's failure, never the user's
+    ([], [("", "step", "Unable to create step for job 7: Requested node configuration is not available")], 1, False,
+     "infrastructure", [], "could not create the job step"),
     ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", 75, "preempted")], [], 1, True, "preempted", [], "saved"),
     # a plain script that aborts in gloo's teardown after every other rank finished: the work is done
     ([rec(0, "n1", 134, "user_error", aborted=True), rec(1, "n2", 0, "finished")], [], 134, False, "finished", [],
@@ -94,6 +97,10 @@ def test_srun_lines_of_this_attempt_before_srun_ends_the_rest(tmp_path: Path) ->
                    "srun: error: Task launch for StepId=9.1 failed on node n3: Communication connection failure\n")
     assert srun_failures(log, "0.1", "9") == [("n3", "launch", "srun could not start tasks there: Communication "
                                                                 "connection failure")]
+    log.write_text("attempt 0.2 of job 9 starts on n1,n3\n"  # the line srun prints, as Slurm 22.05-26.05 word it
+                   "srun: error: Unable to create step for job 9: Requested node configuration is not available\n")
+    assert srun_failures(log, "0.2", "9") == [("", "step", "Unable to create step for job 9: Requested node "
+                                                          "configuration is not available")]
 
 
 LIMITS = Limits(max_requeues=2, max_failures=1, suspects=Path("/nonexistent"), suspect_hours=1)
@@ -198,20 +205,29 @@ ALLOC = ["n1", "n2", "n3"]
 
 @pytest.mark.parametrize(("allocation", "ordered", "shape", "expected"), [
     # a spare node takes over: the same 2 nodes' worth, the blamed node kept as the new spare
-    (ALLOC, ["n1"], Shape(2, 2, True), Next(True, ["n1"], [], [], 2)),
+    (ALLOC, ["n1"], Shape(2, 2, True), Next(True, ["n1"], [], [], 2, ["n2", "n3"])),
     # the next failure on n3: n1 (blamed earlier) is used again rather than leaving the job short
-    (ALLOC, ["n3", "n1"], Shape(2, 2, True), Next(True, ["n3"], ["n1"], [], 2)),
+    (ALLOC, ["n3", "n1"], Shape(2, 2, True), Next(True, ["n3"], ["n1"], [], 2, ["n1", "n2"])),
     # a node range shrinks onto the nodes left and gives the lost one back
-    (ALLOC, ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], ["n2"], 2)),
+    (ALLOC, ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], ["n2"], 2, ["n1", "n3"])),
     # a range with a spare: the spare takes over first, nothing given back
-    (["n1", "n2", "n3", "n4"], ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], [], 3)),
+    (["n1", "n2", "n3", "n4"], ["n2"], Shape(2, 3, True), Next(True, ["n2"], [], [], 3, ["n1", "n3", "n4"])),
     (["n1", "n2"], ["n1"], Shape(2, 3, True), None),  # at the range's minimum: the queue, not here
+    # the second loss of a range that gave n3 back: the allocation is n1, n2 now, so n3 (blamed earlier) is no
+    # node to use again: the queue (where the range may grow back)
+    (["n1", "n2"], ["n2", "n3"], Shape(2, 3, True), None),
     (ALLOC, ["n1"], Shape(2, 3, False), None),  # no loop in the batch script
-    (ALLOC, [], Shape(3, 3, True), Next(True, [], [], [], 3)),  # nobody blamed: the same nodes again
+    (ALLOC, [], Shape(3, 3, True), Next(True, [], [], [], 3, ALLOC)),  # nobody blamed: the same nodes again
 ])
 def test_where_the_next_attempt_runs_inside_the_allocation(allocation: list[str], ordered: list[str], shape: Shape,
                                                            expected: Next | None) -> None:
     assert placement.here(allocation, ordered, shape) == expected
+
+
+def test_an_attempt_that_blames_nobody_restarts_here_whatever_was_blamed_before() -> None:
+    """A step Slurm refused (no node to blame) after an earlier loss: the same nodes again, not the queue."""
+    nxt = placement.here(["n1", "n2"], ["n3"], Shape(2, 3, True), current=[])
+    assert nxt is not None and nxt.step == ["n1", "n2"]
 
 
 def test_a_job_of_two_on_three_nodes_meets_three_faults_and_keeps_running() -> None:

@@ -19,6 +19,9 @@ SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 SRUN_LAUNCH = re.compile(r"srun: error: Task launch for \S+ failed on node (\S+): (.+)$")
 """srun's line for a node it could not start tasks on."""
 
+SRUN_STEP = re.compile(r"srun: error: (Unable to create step for job \S+: .+|Unable to confirm allocation for job \S+: .+)$")
+"""srun's line for a step Slurm refused before any task started (nodes the job does not hold, an allocation gone)."""
+
 KILLED = ("Killed", "exit code 137")
 """How srun reports a task ended by SIGKILL (the OOM-killer, a dying node; a container reports it as 137)."""
 
@@ -73,6 +76,8 @@ def srun_failures(log: Path | None, restart: str, job: str) -> list[tuple[str, s
             found.append((m[1], m[2], m[3]))
         elif m := SRUN_LAUNCH.search(line):
             found.append((m[1], "launch", f"srun could not start tasks there: {m[2]}"))
+        elif m := SRUN_STEP.search(line):
+            found.append(("", "step", m[1].rstrip(".")))
     return found
 
 
@@ -115,6 +120,9 @@ def _without_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], 
                    step: int | None) -> Verdict:
     """No rank recorded why: srun's own lines decide (only a kill or a failed launch is evidence against a node)."""
     silent = [r for r in records if not r.ended]
+    refused = [s for s in srun if s[1] == "step"]
+    if refused and not records:  # no task started: Slurm's placement failed, not the code (no node to blame)
+        return Verdict(exits.INFRASTRUCTURE, f"srun could not create the job step: {refused[0][2]}", step=step)
     oom = [s for s in srun if "out of memory" in s[2].lower()]
     if oom:
         return Verdict(exits.RESOURCE, f"task {oom[0][1]} on {oom[0][0]}: {oom[0][2]} (the job's memory limit: ask "

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "unk", "futr", "boot", "powered", "pow_dn", "npc")
@@ -58,6 +59,14 @@ def hostnames(nodelist: str) -> list[str]:
     """A Slurm node list (``n[1-3]``) as node names."""
     rc, out = _run("scontrol", "show", "hostnames", nodelist)
     return out.split() if rc == 0 else nodelist.split(",")
+
+
+def allocation(info: dict[str, str], env: Mapping[str, str]) -> list[str]:
+    """The nodes the job holds now, from Slurm's record of it (``info``: :func:`job_fields`): after a shrink it no
+    longer holds the nodes it gave back, while ``SLURM_JOB_NODELIST`` still names them (the fallback when scontrol
+    cannot say)."""
+    held = info.get("NodeList", "")
+    return hostnames(held if held and held != "(null)" else env.get("SLURM_JOB_NODELIST", ""))
 
 
 def excluded(info: dict[str, str]) -> list[str]:

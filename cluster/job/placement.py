@@ -36,6 +36,8 @@ class Next:
     release: list[str] = field(default_factory=list)
     nodes: int = 0
     """Nodes of the next attempt (here), or the fewest the requeued job needs."""
+    step: list[str] = field(default_factory=list)
+    """The very nodes the next attempt runs on (here): what the batch shell passes to srun, nothing else."""
 
     def describe(self, pool: str) -> str:
         """One line: where, on how many nodes, and any blamed node used again (``pool``: where the nodes come from)."""
@@ -54,19 +56,21 @@ def blame_order(current: list[str], earlier: list[list[str]], suspected: list[st
     return list(dict.fromkeys(ordered))
 
 
-def here(allocation: list[str], ordered: list[str], shape: Shape) -> Next | None:
-    """The next attempt inside ``allocation``, avoiding ``ordered`` while ``shape.lo`` nodes remain; None when this
-    attempt's blame (``ordered[0]``) cannot be avoided here (then the queue may offer another node). An attempt on
-    fewer than ``shape.hi`` nodes (shrinking) gives the nodes it avoids back to Slurm: the site can repair them."""
+def here(allocation: list[str], ordered: list[str], shape: Shape, current: list[str] | None = None) -> Next | None:
+    """The next attempt inside ``allocation`` (the nodes the job holds now, as Slurm says: never one it gave back),
+    avoiding ``ordered`` while ``shape.lo`` nodes remain; None when this attempt's blame (``current``, default
+    ``ordered[:1]``) cannot be avoided here (then the queue may offer other nodes: a requeued node range starts on as
+    many as it may again). An attempt on fewer than ``shape.hi`` nodes (shrinking) gives the nodes it avoids back to
+    Slurm: the site can repair them."""
     if not shape.in_place or len(allocation) < shape.lo:
         return None
     avoid, again = fail_open(ordered, set(allocation), shape.lo)
-    if ordered and ordered[0] in again:
+    if set(ordered[:1] if current is None else current) & set(again):
         return None
     left = [n for n in allocation if n not in avoid]
     count = min(len(left), shape.hi)
     release = [n for n in allocation if n in avoid] if len(left) < shape.hi else []
-    return Next(True, [n for n in avoid if n in allocation], again, release, count)
+    return Next(True, [n for n in avoid if n in allocation], again, release, count, left[:count])
 
 
 def queue(ordered: list[str], usable: set[str] | None, need: int) -> Next:

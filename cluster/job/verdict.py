@@ -65,17 +65,19 @@ def _verdict(ns: argparse.Namespace) -> int:
         action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
     if action == "requeue" and v.kind == exits.INFRASTRUCTURE and v.blame:
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)
-    allocation = nodes.hostnames(env.get("SLURM_JOB_NODELIST", ""))
+    allocation = nodes.allocation(info, env)
     shape = placement.Shape(ns.least or ns.need, ns.most or ns.need, ns.in_place or ns.need > 0)
     if action == "requeue":
         # Nodes to avoid, most important first (ExcNodeList last: room permitting, the job keeps avoiding it).
         order = placement.blame_order(v.blame, [e.blamed for e in before],
                                       suspects.active(limits.suspects, limits.suspect_after), nodes.excluded(info))
-        inside = placement.here(allocation, order, shape) if v.kind == exits.INFRASTRUCTURE else None
-        if inside is not None:  # the next attempt starts here, at once: the last line tells the batch shell's loop
+        inside = placement.here(allocation, order, shape, v.blame) if v.kind == exits.INFRASTRUCTURE else None
+        if inside is not None:  # the next attempt starts here, at once: the last lines tell the batch shell's loop
             why = f"{why} {inside.describe('the allocation')}{_give_back(job, allocation, inside.release)}"
             _record(run_dir, ns.phase, restart, job, v, "restart_here", why)
-            print(f"restart-here: {','.join(inside.avoid)}", flush=True)
+            # The nodes srun is asked for next, as decided here; the last line is the one batch scripts rendered
+            # before step-nodes existed read (they avoid its nodes themselves).
+            print(f"step-nodes: {','.join(inside.step)}\nrestart-here: {','.join(inside.avoid)}", flush=True)
             return 0
         action, why = _requeue(job, info, seen, order, ns.min_nodes, why)
     if shape.in_place:  # the job ends or starts again elsewhere: no node keeps its snapshots

@@ -129,7 +129,7 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     # (inherited through exec), the trainers it starts install their own handler.
     ignore = f"bash -c 'trap \"\" {p.signal}; exec \"$@\"' torchrun " if p.signal in ("USR1", "USR2") else ""
     return [
-        'head=${step_nodes%%,*}' if p.in_place else 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head=${step_nodes%%,*}' if p.in_place else 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"port=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
         f"{srun} {ignore}{py} -m torch.distributed.run \\",
         f'    --nnodes="{"$need" if p.in_place else "$SLURM_NNODES"}" --nproc-per-node={p.ntasks_per_node} \\',
@@ -164,30 +164,30 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
                   f'  {RequeueRule(p.max_requeues).shell()} && scontrol requeue "$SLURM_JOB_ID" && exit 0',
                   '  exit "$rc"',
                   "fi"]
-    if p.in_place:  # the verdict's last line asks for the next attempt here, without the nodes it names
-        lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); '
-                     "trap - TERM; continue; fi")
+    if p.in_place:  # the verdict's last line asks for the next attempt here, on the nodes its step-nodes line names
+        lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then '
+                     "step_nodes=$(sed -n 's/^step-nodes: //p' <<<\"$next\") here=$(( here + 1 )); trap - TERM; continue; fi")
     return [*lines, 'exit "$verdict"']
 
 
 def in_place_loop(p: Profile, attempt: list[str]) -> list[str]:
-    """Restarting in place (spare nodes, a node range), every attempt runs on up to ``nodes`` of the allocation's
-    nodes, avoiding those the verdict names; a node range goes on with fewer, down to ``min_nodes``."""
+    """Restarting in place (spare nodes, a node range), the first attempt runs on ``nodes`` of the allocation's nodes
+    and every later one on the nodes the verdict names (it reads what the job holds now from Slurm: a node range goes
+    on with fewer, down to ``min_nodes``, and never asks for a node it gave back)."""
     how = (f"on up to {p.nodes} of the allocation's nodes, at least {p.min_nodes}" if p.ranged
            else f"on {p.nodes} of the allocation's nodes")
     return [
         f"# Restarts in place (spare_nodes: {p.spare_nodes}, nodes: {p.node_range}): each attempt runs {how};",
-        "# after a failure the verdict may start the next one here at once, without the nodes it blames.",
-        'avoid="" here=0',
+        "# after a failure the verdict may start the next one here at once, on the nodes it names.",
+        "# (sed, not head: it reads every name, so scontrol never dies of SIGPIPE under pipefail)",
+        f'here=0 step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n "1,{p.nodes}p" | paste -sd, -)',
         "while :; do",
         '  rm -f "$RUN_DIR/requeue.json"  # only this attempt\'s marker may count',
         '  TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}',
         '  if (( here )); then TRAINER_ATTEMPT+=".$here"; fi',
         "  export TRAINER_ATTEMPT",
-        '  step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \\',
-        f'    | awk -v avoid=",$avoid," \'index(avoid, "," $0 ",") == 0\' | head -n {p.nodes} | paste -sd, -)',
         "  need=$(( $(tr -cd , <<<\"$step_nodes\" | wc -c) + 1 ))",
-        "  job_event job_start",
+        '  job_event job_start ", \\"attempt\\": \\"$TRAINER_ATTEMPT\\", \\"step_nodes\\": \\"$step_nodes\\""',
         '  echo "attempt $TRAINER_ATTEMPT of job $SLURM_JOB_ID starts on $step_nodes" >&2',
         *(f"  {line}" if line else "" for line in attempt),
         "done",
@@ -266,6 +266,8 @@ def environment(p: Profile) -> list[str]:
         *([f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []),
         # Restarts inside the allocation can restore from node memory (checkpoint.memory=auto takes snapshots then).
         *(["export TRAINER_IN_PLACE=1"] if p.in_place else []),
+        # A node range may shrink or grow: a loader without a global batch keeps its first attempt's.
+        *([f"export TRAINER_NODES={p.node_range}"] if p.ranged else []),
     ]
 
 

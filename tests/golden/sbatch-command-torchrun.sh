@@ -33,7 +33,7 @@ if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then <python> -m cluster.job.ledger r
 # Preflight checks on every node and GPU (profile doctor: false; DOCTOR=0|1 overrides).
 if [[ "${DOCTOR:-0}" == 1 ]]; then
   rc=0
-  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
   port=$(( 15000 + SLURM_JOB_ID % 15000 ))
   srun --kill-on-bad-exit=1 --label bash -c 'trap "" USR2; exec "$@"' torchrun <python> -m torch.distributed.run \
       --nnodes="$SLURM_NNODES" --nproc-per-node=1 \

@@ -33,17 +33,16 @@ for arg in "$@"; do
   if [[ $arg == run.dir=* ]]; then echo "error: run.dir: set RUN_DIR=… instead (watched here)" >&2; exit 2; fi
 done
 # Restarts in place (spare_nodes: 1, nodes: 2): each attempt runs on 2 of the allocation's nodes;
-# after a failure the verdict may start the next one here at once, without the nodes it blames.
-avoid="" here=0
+# after a failure the verdict may start the next one here at once, on the nodes it names.
+# (sed, not head: it reads every name, so scontrol never dies of SIGPIPE under pipefail)
+here=0 step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n "1,2p" | paste -sd, -)
 while :; do
   rm -f "$RUN_DIR/requeue.json"  # only this attempt's marker may count
   TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}
   if (( here )); then TRAINER_ATTEMPT+=".$here"; fi
   export TRAINER_ATTEMPT
-  step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \
-    | awk -v avoid=",$avoid," 'index(avoid, "," $0 ",") == 0' | head -n 2 | paste -sd, -)
   need=$(( $(tr -cd , <<<"$step_nodes" | wc -c) + 1 ))
-  job_event job_start
+  job_event job_start ", \"attempt\": \"$TRAINER_ATTEMPT\", \"step_nodes\": \"$step_nodes\""
   echo "attempt $TRAINER_ATTEMPT of job $SLURM_JOB_ID starts on $step_nodes" >&2
   # Preflight checks on every node and GPU (profile doctor: true; DOCTOR=0|1 overrides).
   if [[ "${DOCTOR:-1}" == 1 ]]; then
@@ -58,7 +57,7 @@ while :; do
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
       verdict=0; next=$(<python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --in-place --least 2 --most 2) || verdict=$?
-      if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+      if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") here=$(( here + 1 )); trap - TERM; continue; fi
       exit "$verdict"
     fi
   fi
@@ -74,6 +73,6 @@ while :; do
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
   verdict=0; next=$(<python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --in-place --least 2 --most 2) || verdict=$?
-  if [[ ${next##*$'\n'} == restart-here:* ]]; then avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+  if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") here=$(( here + 1 )); trap - TERM; continue; fi
   exit "$verdict"
 done

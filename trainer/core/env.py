@@ -28,7 +28,7 @@ TRAINER_VARIABLES = (
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NAME",
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
-    "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
+    "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_NODES", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -100,6 +100,9 @@ class JobInfo:
     """SLURM_JOB_END_TIME (Slurm 23.02 and later): when the job's time limit ends, as it stood at the start."""
     memory_dir: str = "/dev/shm"
     """TRAINER_MEMORY_DIR: where each node keeps memory snapshots (a RAM-backed folder local to the node)."""
+    resizable: bool = False
+    """TRAINER_NODES=MIN-MAX with MIN < MAX (a node range's batch script): the job may go on with fewer nodes or be
+    requeued onto more, so a loader without a global batch keeps its first attempt's."""
 
 
 def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
@@ -131,7 +134,14 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         in_place=env.get("TRAINER_IN_PLACE") == "1",
         end_time=_positive(env.get("SLURM_JOB_END_TIME"), 0.0) or None,
         memory_dir=env.get("TRAINER_MEMORY_DIR") or "/dev/shm",
+        resizable=_ranged(env.get("TRAINER_NODES", "")),
     )
+
+
+def _ranged(nodes: str) -> bool:
+    """Whether ``MIN-MAX`` is a range of more than one node count."""
+    lo, _, hi = nodes.partition("-")
+    return lo.isdigit() and hi.isdigit() and int(lo) < int(hi)
 
 
 def _positive(text: str | None, default: float) -> float:
