@@ -49,6 +49,20 @@ def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_rand
     assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
 
 
+def test_char_lm_on_four_processes_resumes_bit_identically(tmp_path: Path) -> None:
+    """An own loop under DDP at 4 processes: the resumed first step sums in the uninterrupted run's buckets."""
+    lm = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "60000", "--batch-size", "4",
+          "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([*lm, f"run.dir={ref}"], tmp_path, nproc=4, script=CHAR_LM))
+    at = random.randrange(1, 22)
+    ranks = spawn_ranks([*lm, f"run.dir={run}"], tmp_path, world=4, env=faults(preempt_at_step=at), script=CHAR_LM)
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [75] * 4, (at, outs[0])
+    ok(run_trainer([*lm, f"run.dir={run}"], tmp_path, nproc=4, script=CHAR_LM))
+    assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
+
+
 def test_char_lm_with_a_global_batch_continues_on_one_process_as_on_two(tmp_path: Path) -> None:
     """The example's --global-batch: preempted on 2 processes, finished on 1, it ends where the uninterrupted
     2-process run does (float tolerance: one process sums the micro-batches' gradients in another order)."""

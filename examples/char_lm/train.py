@@ -110,10 +110,10 @@ def main() -> int:
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, args))
         train_set, val_set = datasets(args, c.block)
-        loader = sess.loader(train_set, args.batch_size, args.global_batch or None)
-        accum = loader.accumulation if args.global_batch else args.accum
+        loader = sess.loader(train_set, args.batch_size, args.global_batch or None, accumulation=args.accum)
         val = sess.eval_loader(val_set, args.batch_size)
         start = sess.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
+        accum = loader.accumulation  # after restore: a job that may change size keeps its first global batch
 
         def amp() -> Any:  # bf16 on GPUs; the CPU trains in fp32
             return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()

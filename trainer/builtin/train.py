@@ -64,12 +64,13 @@ class Trainer:
 
     def __init__(self, sess: Session, parts: Parts) -> None:
         cfg, self.sess, self.cfg = sess.cfg, sess, sess.cfg
-        self.task, self.record, data = parts.task, parts.record, parts.data
+        self.task, self.record, self.data = parts.task, parts.record, parts.data
+        data = self.data
         # In-memory sets need no workers; iterable sets load in-process, so that a Stateful set's position is the
         # loader's (workers would hold copies).
         kw = {"num_workers": _workers(cfg, sess, isinstance(data.train, InMemory) or data.iterable)}
-        self.loader = sess.loader(data.train, cfg.data.batch_size, cfg.data.global_batch_size or None, **kw)
-        self.accumulation = self.loader.accumulation if cfg.data.global_batch_size else cfg.optim.grad_accum
+        self.loader = sess.loader(data.train, cfg.data.batch_size, cfg.data.global_batch_size or None,
+                                  cfg.optim.grad_accum, **kw)
         self.eval_loader = None if data.test is None else sess.eval_loader(data.test, cfg.data.batch_size, **kw)
         self.net = sess.wrap(parts.model)  # the optimizer holds the same parameters as the unwrapped model
         self.model: nn.Module = parts.model  # under fsdp the same module as self.net
@@ -81,15 +82,23 @@ class Trainer:
                             fused=fused)
             if o.name == "sgd" else
             torch.optim.AdamW(self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay, fused=fused))
-        if data.iterable:  # no length: train.max_steps (required) decides
+        self._plan_steps()
+        # The schedule reads total_steps when it steps: a global batch kept from the first attempt is known at restore.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda step: lr_factor(cfg, self.total_steps)(step))
+        self.scaler = torch.amp.GradScaler(enabled=cfg.train.precision == "fp16")
+        self.in_process = kw["num_workers"] == 0
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+
+    def _plan_steps(self) -> None:
+        """Micro-batches per step and steps in all, from the loader's plan (again after restore: it may change)."""
+        cfg = self.cfg
+        self.accumulation = self.loader.accumulation
+        if self.data.iterable:  # no length: train.max_steps (required) decides
             self.total_steps = cfg.train.max_steps
         else:
             self.total_steps = math.ceil(len(self.loader) / self.accumulation) * cfg.train.epochs
             self.total_steps = min(self.total_steps, cfg.train.max_steps or self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg, self.total_steps))
-        self.scaler = torch.amp.GradScaler(enabled=cfg.train.precision == "fp16")
-        self.data, self.in_process = data, kw["num_workers"] == 0
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
 
     def restore(self) -> None:
         """Open the run folder and continue from its newest checkpoint, if any; then compile (when asked)."""
@@ -99,6 +108,7 @@ class Trainer:
         extra = {"data": PerRank(data.train)} if data.iterable and stateful and self.in_process else {}
         sess.restore(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                      loader=self.loader, **extra)
+        self._plan_steps()
         if sess.resumed:
             notes(cfg, sess.env, sess.resumed.state, self.record)
             if data.iterable and not extra:

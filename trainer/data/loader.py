@@ -64,28 +64,21 @@ class Loader:
     """
 
     def __init__(self, dataset: Dataset[Any], env: DistEnv, batch_size: int, seed: int, plan: BatchPlan | None = None,
+                 accumulation: int = 1, kept: bool = False, say: Callable[[str], None] | None = None,
                  **kwargs: Any) -> None:
-        self.plan, self.world_size, self.rank = plan, env.world_size, env.rank
-        self.dataset, self.batch_size = dataset, plan.micro if plan else batch_size
+        self.env, self.world_size, self.rank, self.seed, self.kwargs = env, env.world_size, env.rank, seed, kwargs
+        self.dataset, self.cap, self.own_accumulation = dataset, batch_size, accumulation
+        self.kept, self.say = kept, say
+        """``kept``: the global batch is the first attempt's, not the user's: a checkpoint's replaces it (a job that
+        may change size); said once, as the first batch is taken."""
+        self.fixed = plan is not None
+        """A global batch is the contract (the user's, or kept): ``accumulation`` is the plan's."""
         self.iterable = isinstance(dataset, IterableDataset)
         if self.iterable and plan:
             raise UserError("data.global_batch_size", "needs a map-style data set (__len__ and __getitem__): an "
                             "iterable set reads its own share on each process, so its samples per step would change "
                             "with their number", "leave it out (data.batch_size is per process), or index the set")
-        self.sampler: ResumableSampler | GlobalBatchSampler | StreamSampler | None = None
-        self.loader: DataLoader[Any]
-        if isinstance(dataset, Shards):
-            self.plan = plan or BatchPlan(batch_size * env.world_size, env.world_size, batch_size, 1)
-            self.sampler = StreamSampler(dataset, self.plan, env.rank, seed)
-            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
-        elif self.iterable:
-            self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
-        elif plan is None:
-            self.sampler = ResumableSampler(dataset, env, seed)
-            self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **kwargs)
-        else:
-            self.sampler = GlobalBatchSampler(len(dataset), plan, env.rank, seed)  # type: ignore[arg-type]
-            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
+        self._build(plan)
         self.epoch = 0
         """Epochs finished; it moves on as the last batch of an epoch is handed out."""
         self.base = 0
@@ -93,6 +86,25 @@ class Loader:
         another split starts there)."""
         self.position = 0
         """Batches of this epoch this rank has handed out."""
+
+    def _build(self, plan: BatchPlan | None) -> None:
+        """The sampler and DataLoader for ``plan`` (None: ``cap`` samples per batch, no global batch)."""
+        dataset, kwargs, cap, world = self.dataset, self.kwargs, self.cap, self.world_size
+        self.plan, self.batch_size = plan, plan.micro if plan else cap
+        self.sampler: ResumableSampler | GlobalBatchSampler | StreamSampler | None = None
+        self.loader: DataLoader[Any]
+        if isinstance(dataset, Shards):
+            self.plan = plan or BatchPlan(cap * world, world, cap, 1)
+            self.sampler = StreamSampler(dataset, self.plan, self.rank, self.seed)
+            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
+        elif self.iterable:
+            self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
+        elif plan is None:
+            self.sampler = ResumableSampler(dataset, self.env, self.seed)
+            self.loader = DataLoader(dataset, batch_size=cap, sampler=self.sampler, **kwargs)
+        else:
+            self.sampler = GlobalBatchSampler(len(dataset), plan, self.rank, self.seed)  # type: ignore[arg-type]
+            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
 
     def _batched(self, sampler: GlobalBatchSampler | StreamSampler, kwargs: dict[str, Any]) -> Any:
         for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
@@ -108,15 +120,21 @@ class Loader:
 
     @property
     def accumulation(self) -> int:
-        """Micro-batches per optimizer step the global batch asks for (1 without one)."""
+        """Micro-batches per optimizer step: the global batch's split on this world size, else the loop's own
+        (``Session.loader(accumulation=…)``). Read it after ``restore``: a kept global batch may be a checkpoint's."""
+        return self.plan.accumulation if self.fixed and self.plan else self.own_accumulation
+
+    @property
+    def _micro_per_step(self) -> int:
+        """Micro-batches per global batch of the sampler (1 without a plan)."""
         return self.plan.accumulation if self.plan else 1
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (map-style sets only)."""
         if isinstance(self.sampler, StreamSampler):  # from the loader's base: the sampler learns it as an epoch starts
-            return self.sampler.steps(self.base) * self.accumulation
+            return self.sampler.steps(self.base) * self._micro_per_step
         if isinstance(self.sampler, GlobalBatchSampler):
-            return self.sampler.steps_per_epoch * self.accumulation
+            return self.sampler.steps_per_epoch * self._micro_per_step
         if self.sampler is None:
             raise TypeError("an iterable data set has no length")
         return -(-self.sampler.num_samples // self.batch_size) if not self.loader.drop_last else \
@@ -128,6 +146,10 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch."""
+        if self.kept and self.say is not None and self.plan is not None:  # once: the plan is final after restore
+            self.say(f"{self.plan.describe()}: the first attempt's, kept at any size (this job may change size; "
+                     "data.global_batch_size / global_batch_size= sets another)")
+            self.say = None
         if isinstance(self.sampler, StreamSampler):
             self.sampler.start_epoch(self.epoch, self.position, self.base)
         elif isinstance(self.sampler, GlobalBatchSampler):
@@ -168,6 +190,9 @@ class Loader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where ``state`` left off: exactly with the same global batch (on any world size, from a save at
         a step's end), else after the samples already seen, at the start of the next whole step."""
+        saved = state.get("global_batch_size", 0)
+        if self.kept and saved and self.plan and saved != self.plan.global_batch:  # the first attempt's global batch
+            self._build(plan(saved, self.world_size, self.cap, "the checkpoint's global batch"))
         self.epoch, self.position = state["epoch"], state["position"]
         consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
         split = (state["world_size"], state["batch_size"], state.get("global_batch_size", 0))
@@ -189,20 +214,28 @@ class Loader:
 
 
 def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_batch_size: int | None, seed: int,
-                 say: Callable[[str], None], **kwargs: Any) -> Loader:
-    """``Session.loader``: this rank's resumable batches; with a global batch, its plan printed once."""
-    if batch_size < 1 or (global_batch_size or 0) < 0:
-        raise ValueError(f"loader(): batch_size must be >= 1 and global_batch_size >= 0, got {batch_size} and "
-                         f"{global_batch_size}")
+                 say: Callable[[str], None], accumulation: int = 1, resizable: bool = False, **kwargs: Any) -> Loader:
+    """``Session.loader``: this rank's resumable batches; with a global batch, its plan printed once. A job that may
+    change size (``resizable``) without one keeps its first attempt's: ``batch_size`` × ``accumulation`` × this
+    world size, replaced by a checkpoint's at ``load_state_dict``."""
+    if batch_size < 1 or (global_batch_size or 0) < 0 or accumulation < 1:
+        raise ValueError(f"loader(): batch_size and accumulation must be >= 1 and global_batch_size >= 0, got "
+                         f"{batch_size}, {accumulation} and {global_batch_size}")
+    kept = resizable and not global_batch_size and not isinstance(dataset, IterableDataset)
+    if kept:
+        global_batch_size = batch_size * accumulation * env.world_size
     planned = plan(global_batch_size, env.world_size, batch_size) if global_batch_size else None
-    if planned:
+    if planned and not kept:
         say(f"{planned.describe()} (data.batch_size={batch_size} caps the micro-batch){planned.advice(batch_size)}")
-    made = Loader(dataset, env, batch_size, seed, planned, **kwargs)
+    if resizable and isinstance(dataset, IterableDataset):
+        say("note: this job may change size and an iterable data set has no global batch: each process reads "
+            "data.batch_size samples a step, so a step's samples change with the number of processes")
+    made = Loader(dataset, env, batch_size, seed, planned, accumulation, kept, say, **kwargs)
     if isinstance(dataset, Shards):
         global_batch = made.plan.global_batch if made.plan else 0
         for note in dataset.notes:
             say(f"note: {note}")
-        say(f"{dataset.describe()}; {len(made) // made.accumulation:,} steps of {global_batch} samples per epoch "
+        say(f"{dataset.describe()}; {len(made) // made._micro_per_step:,} steps of {global_batch} samples per epoch "
             f"(the last {len(dataset) % global_batch} samples of each epoch's order are left out, as drop_last does)")
     return made
 

@@ -45,6 +45,7 @@ from trainer.core.legacy import deprecations
 from trainer.core.records import RequeueMarker
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
+from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.health.heartbeat import Heartbeat
 from trainer.runtime.parts import Parts, Setup, open_parts
@@ -91,7 +92,7 @@ class Session:
         says so."""
         self.parts: Parts | None = None
         self.objects: dict[str, Any] = {}
-        self.loaders: list[DataLoader[Any]] = []
+        self.loaders: list[Loader | DataLoader[Any]] = []
         self.resumed: Resumed | None = None
         """The checkpoint this run continued from (its path and state), after ``restore``."""
         self.step = 0
@@ -158,7 +159,10 @@ class Session:
             return self.model  # (checkpoints keep their format)
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
-        return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.env.world_size > 2:  # resumed, the first step sums in the uninterrupted run's order (runtime/buckets.py)
+            prime_when_resumed(ddp, lambda: self.resumed is not None)
+        return ddp
 
     def no_sync(self, model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation: no gradient all-reduce (DDP) or reduce-scatter (FSDP) inside when ``skip``."""
@@ -170,14 +174,17 @@ class Session:
         return eval_batches(self.model, loader, self.device)
 
     def loader(self, dataset: Dataset[Any], batch_size: int, global_batch_size: int | None = None,
-               **kwargs: Any) -> Loader:
+               accumulation: int = 1, **kwargs: Any) -> Loader:
         """This rank's batches of a training set, resumable to the exact batch (pass it to ``restore``). With
-        ``global_batch_size``, ``batch_size`` caps the micro-batch and ``loader.accumulation`` micro-batches make one
-        optimizer step of the same samples on any number of processes."""
+        ``global_batch_size``, ``batch_size`` caps the micro-batch and one optimizer step takes the same samples on any
+        number of processes; without one, a job that may change size (a node range) keeps its first attempt's
+        (``batch_size`` × ``accumulation`` × processes). Step every ``loader.accumulation`` micro-batches, read after
+        ``restore``."""
         seed = self.cfg.train.seed
-        made = train_loader(dataset, self.env, batch_size, global_batch_size, seed, self.print,
+        made = train_loader(dataset, self.env, batch_size, global_batch_size, seed, self.print, accumulation,
+                            self.job.resizable,
                             **loader_kwargs(dataset, self.env, self.device, seed, self.signals, kwargs))
-        self.loaders.append(made.loader)
+        self.loaders.append(made)  # its DataLoader may be rebuilt at restore (a kept global batch)
         return made
 
     def eval_loader(self, dataset: Dataset[Any], batch_size: int, **kwargs: Any) -> DataLoader[Any]:
@@ -355,7 +362,7 @@ class Session:
                     p.tracker.finish(exit_code=exit_code)
         finally:
             for loader in self.loaders:
-                shutdown_workers(loader)
+                shutdown_workers(loader.loader if isinstance(loader, Loader) else loader)
             self.events.close()
             self.preemption.restore()
             tdist.teardown()
