@@ -140,7 +140,7 @@ def _tar_bytes(n: int) -> bytes:
 def test_a_shard_truncated_mid_run_is_a_shard_error_naming_it_even_from_a_worker(tmp_path: Path, workers: int) -> None:
     folder = write(tmp_path, "tar", [40, 40])
     ds = Shards(folder, transform=ident)
-    for f in folder.iterdir():
+    for f in folder.glob("*.tar"):
         f.write_bytes(f.read_bytes()[:2048])
     loader = Loader(ds, env_of(0, 1), 4, 0, None, num_workers=workers, persistent_workers=workers > 0)
     with pytest.raises(ShardError, match=r"cannot read shard '.*part-00[01].tar' at sample 's0000\d\d'"):
@@ -268,3 +268,53 @@ def test_loader_workers_forked_after_the_parent_read_a_shard_read_their_own_samp
     for _ in range(3):
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         assert [row for row in loader] == expected
+
+
+@pytest.mark.parametrize("fmt", ["tar", "jsonl"])
+def test_a_second_start_reads_the_kept_index_instead_of_scanning(tmp_path: Path, fmt: str) -> None:
+    from trainer.data import Jsonl, Tar
+
+    scans: list[str] = []
+
+    class Counting(Tar if fmt == "tar" else Jsonl):  # type: ignore[misc]
+        def index(self, path):  # type: ignore[no-untyped-def]
+            scans.append(path.name)
+            return super().index(path)
+
+    files = sorted(write(tmp_path / "data", fmt, [23, 31, 7]).glob(f"*.{fmt}"))
+    first = Shards(files, Counting(), transform=ident)
+    assert len(scans) == 3
+    again = Shards(files, Counting(), transform=ident)
+    assert len(scans) == 3, "the second start scanned again"
+    assert [again[i] for i in range(len(again))] == [first[i] for i in range(len(first))]
+    # A shard that changes is scanned again (its size and time name its index); the others stay kept.
+    files[1].write_bytes((write(tmp_path / "more", fmt, [23, 36, 7]) / files[1].name).read_bytes())
+    changed = Shards(files, Counting(), transform=ident)
+    assert len(scans) == 4 and len(changed) == 23 + 36 + 7
+
+
+def test_the_first_scan_is_shared_out_among_the_ranks_and_an_unwritable_folder_only_costs_a_scan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.data import Jsonl
+
+    scans: list[str] = []
+
+    class Counting(Jsonl):
+        def index(self, path):  # type: ignore[no-untyped-def]
+            scans.append(path.name)
+            return super().index(path)
+
+    files = sorted(write(tmp_path / "data", "jsonl", [5, 6, 7, 8]).glob("*.jsonl"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    Shards(files, Counting(), index_dir=tmp_path / "kept")
+    assert scans == [files[1].name, files[3].name, files[0].name, files[2].name]
+    scans.clear()
+    monkeypatch.setenv("RANK", "0")
+    Shards(files, Counting(), index_dir=tmp_path / "kept")  # rank 1 kept every shard it scanned
+    assert scans == []
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    Shards(files, Counting(), index_dir=blocked)
+    Shards(files, Counting(), index_dir=blocked)
+    assert len(scans) == 8

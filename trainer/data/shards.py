@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from trainer.data import kept_index
 from trainer.data.readers import BY_SUFFIX, Index, Reader, ShardError
 
 
@@ -78,16 +79,21 @@ class Shards(Dataset[Any]):
     resumes exactly on any world size and any number of loader workers (``Session.loader``, ``data.name=shards``).
 
     ``reader`` reads every file (default: by suffix); ``transform`` turns a decoded sample into what the model takes;
-    ``shuffle_window``: samples shuffled together within a shard (None: the whole shard). Indexing with a number reads
+    ``shuffle_window``: samples shuffled together within a shard (None: the whole shard); ``index_dir``: where each
+    shard's scan is kept for the next start (default ``.shard-index`` beside the first shard; scanned at every start
+    when it cannot be written). Indexing with a number reads
     the set in file order (evaluation); the training loader reads it in the epoch's shuffled order.
     """
 
     def __init__(self, paths: str | Path | Sequence[str | Path], reader: Reader | None = None,
-                 transform: Callable[[Any], Any] | None = None, shuffle_window: int | None = 10_000) -> None:
+                 transform: Callable[[Any], Any] | None = None, shuffle_window: int | None = 10_000,
+                 index_dir: str | Path | None = None) -> None:
         self.reader, self.transform, self.window = reader, transform, shuffle_window
         self.notes: list[str] = []
         read = [(self._reader(f), f) for f in shard_files(paths)]
-        indexes = [(r, r.index(f)) for r, f in read]
+        folder = Path(index_dir) if index_dir is not None else read[0][1].parent / kept_index.FOLDER if read else None
+        indexes = list(zip((r for r, _ in read), kept_index.index_all(read, folder, *kept_index.rank_and_world()),
+                           strict=True))
         for _, ix in indexes:
             if not ix.count:
                 self.notes.append(f"shard {ix.path!r} holds no sample: skipped")
