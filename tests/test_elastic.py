@@ -12,7 +12,7 @@ import torch
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.data.batches import check_worlds, plan
-from trainer.data.loader import Loader
+from trainer.data.loader import Loader, train_loader
 from trainer.data.samplers import GlobalBatchSampler
 
 from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
@@ -88,6 +88,25 @@ def test_a_position_saved_on_two_processes_continues_exactly_on_three() -> None:
     rest = [[int(i) for (b,) in loader for i in b] for loader in three]
     assert sorted(sum(rest, [])) == sorted(sum(_steps(1, n=50, epoch=0)[2:], []))
     assert all(loader.epoch == 1 and loader.position == 0 for loader in three)
+
+
+def test_a_kept_global_batch_continues_exactly_on_another_size_and_says_no_other_batch() -> None:
+    """A node range without a global batch keeps its first attempt's (3 × 4 = 12): resumed on two processes, it
+    adopts the checkpoint's 12 (not 2 × 4) and counts as exact, so no note of another global batch is printed."""
+    data = torch.utils.data.TensorDataset(torch.arange(50))
+    three = [train_loader(data, env_of(r, 3), 4, None, 3, print, resizable=True) for r in range(3)]
+    for loader in three:
+        it = iter(loader)
+        next(it), next(it)
+    state = three[0].state_dict()
+    assert state["global_batch_size"] == 12
+    two = [train_loader(data, env_of(r, 2), 4, None, 3, print, resizable=True) for r in range(2)]
+    for loader in two:
+        assert loader.exact_after(state)
+        loader.load_state_dict(state)
+        assert loader.plan is not None and loader.plan.global_batch == 12 and loader.accumulation == 2
+    fixed = train_loader(data, env_of(0, 2), 4, None, 3, print)  # a job of fixed size: its own batches, said so
+    assert not fixed.exact_after(state)
 
 
 def _trace(run: Path) -> list[dict[str, object]]:

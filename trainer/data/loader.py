@@ -210,7 +210,8 @@ class Loader:
     def exact_after(self, state: dict[str, int]) -> bool:
         """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved
         at the end of a step: ``should_save`` comes after the optimizer step)."""
-        return self.plan is not None and state.get("global_batch_size") == self.plan.global_batch
+        saved = state.get("global_batch_size")
+        return self.plan is not None and (saved == self.plan.global_batch or bool(self.kept and saved))  # kept: adopted
 
 
 def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_batch_size: int | None, seed: int,
