@@ -103,6 +103,31 @@ def index_rate(folder: Path, kept: bool) -> float:
     return n / (time.perf_counter() - start)
 
 
+def million_startup(tmp: Path, n_pairs: int, samples: int = 1_000_000, shards: int = 16) -> dict[str, Any]:
+    """Start-up over ``samples`` WebDataset samples (one small member each) in ``shards`` tar files, one process:
+    seconds to a ready data set when it scans every shard (a first start) and when it reads the kept index (a
+    restart), as interleaved pairs."""
+    import io
+    import tarfile
+
+    folder = tmp / "million"
+    folder.mkdir()
+    per = samples // shards
+    for k in range(shards):
+        with tarfile.open(folder / f"part-{k:03d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(per):
+                info = tarfile.TarInfo(f"{k:03d}{i:07d}.cls")
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"3"))
+
+    def seconds(kept: bool) -> float:
+        return per * shards / index_rate(folder, kept)
+
+    got = pairs(n_pairs, functools.partial(seconds, False), functools.partial(seconds, True))
+    return {"samples": per * shards, "shards": shards, "scan_s": spread([a for a, _ in got]),
+            "kept_s": spread([b for _, b in got]), "ratio": spread([a / b for a, b in got])}
+
+
 def peak_rss(kind: str, folder: Path) -> float:
     """MiB a fresh process's resident memory grows by, at its peak, while it reads an epoch with ``kind``
     (ours:<window> or webdataset:<buffer>), over what it held once the data set was made."""
@@ -140,6 +165,7 @@ def measure(n_pairs: int, shards: int, per_shard: int, size: int, tmp: Path) -> 
     out["index_per_s"] = spread([a for a, _ in starts])
     out["kept_per_s"] = spread([b for _, b in starts])
     out["kept_vs_scan"] = spread([b / a for a, b in starts])
+    out["million"] = million_startup(tmp, n_pairs)
     out["rss_mib"] = {k: peak_rss(k, train) for k in ("ours:1000", "ours:shard", "webdataset:1000", "webdataset:10000")}
     out["command"] = (f"python -m benchmarks.streams --pairs {n_pairs} --shards {shards} --per-shard {per_shard} "
                       f"--size {size}")
@@ -163,7 +189,11 @@ def section(r: dict[str, Any] | None) -> list[str]:
         "memory |", "|---|---|---|---|", *rows, "",
         f"Indexing at start (every rank, before training): a first start scans {show(r['index_per_s'], '{:,.0f}')} "
         "samples/s, shared out among the ranks; a restart reads the index kept in `.shard-index` at "
-        f"{show(r['kept_per_s'], '{:,.0f}')} samples/s ({show(r['kept_vs_scan'], '{:.1f}×')} the scan).", "",
+        f"{show(r['kept_per_s'], '{:,.0f}')} samples/s ({show(r['kept_vs_scan'], '{:.1f}×')} the scan). "
+        f"For {r['million']['samples']:,} WebDataset samples in {r['million']['shards']} tar shards, one process: "
+        f"{show(r['million']['scan_s'], '{:.1f} s')} to scan at a first start, "
+        f"{show(r['million']['kept_s'], '{:.2f} s')} to read the kept index at a restart "
+        f"({show(r['million']['ratio'], '{:.0f}×')} faster).", "",
         "| a process reading one epoch (0 workers) | resident memory at its peak, over the data set made |",
         "|---|---|",
         *(f"| {what} | +{rss[k]:.1f} MiB |" for k, what in (
