@@ -103,6 +103,20 @@ def test_without_a_global_batch_a_resume_on_another_world_size_continues_at_the_
     assert [i for step in steps for i in step] == [ds[order.locate(p)] for p in range(80)]
 
 
+def test_an_epoch_has_as_many_steps_after_a_resume_on_another_world_size(tmp_path: Path) -> None:
+    """The schedule's unit (steps in a whole epoch) does not shrink to the steps left when a resume on another
+    world size starts a new split mid-epoch (the built-in trainer's total steps once ended a run 4 steps early)."""
+    ds = Shards(write(tmp_path, "jsonl", SIZES), transform=ident)
+    three = Loader(ds, env_of(0, 3), 4, 7, plan(12, 3, 4))
+    it = iter(three)
+    for _ in range(3):
+        next(it)
+    two = Loader(ds, env_of(0, 2), 4, 7, plan(12, 2, 4))
+    fresh = two.epoch_steps
+    two.load_state_dict(three.state_dict())
+    assert fresh == three.epoch_steps == two.epoch_steps == N // 12 and len(two) < fresh * two.accumulation
+
+
 @pytest.mark.parametrize(("make", "expected", "hint"), [
     (lambda d: d / "nope", "'.*nope' does not exist", "a file, a folder or a glob"),
     (lambda d: d / "*.tar", "matches no shard file", "check the path"),
@@ -294,8 +308,9 @@ def test_a_second_start_reads_the_kept_index_instead_of_scanning(tmp_path: Path,
 
 
 def test_the_first_scan_is_shared_out_among_the_ranks_and_an_unwritable_folder_only_costs_a_scan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     from trainer.data import Jsonl
+    from trainer.data.kept_index import index_all
 
     scans: list[str] = []
 
@@ -305,14 +320,13 @@ def test_the_first_scan_is_shared_out_among_the_ranks_and_an_unwritable_folder_o
             return super().index(path)
 
     files = sorted(write(tmp_path / "data", "jsonl", [5, 6, 7, 8]).glob("*.jsonl"))
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    Shards(files, Counting(), index_dir=tmp_path / "kept")
+    shards = [(Counting(), f) for f in files]
+    got = index_all(shards, tmp_path / "kept", rank=1, world=2)  # its own shards first, then the rest
     assert scans == [files[1].name, files[3].name, files[0].name, files[2].name]
+    assert [ix.count for ix in got] == [5, 6, 7, 8]
     scans.clear()
-    monkeypatch.setenv("RANK", "0")
-    Shards(files, Counting(), index_dir=tmp_path / "kept")  # rank 1 kept every shard it scanned
-    assert scans == []
+    assert [ix.count for ix in index_all(shards, tmp_path / "kept", rank=0, world=2)] == [5, 6, 7, 8]
+    assert scans == []  # rank 1 kept every shard it scanned
     blocked = tmp_path / "a file, not a folder"
     blocked.write_text("")
     Shards(files, Counting(), index_dir=blocked)

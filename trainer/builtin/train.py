@@ -97,7 +97,7 @@ class Trainer:
         if self.data.iterable:  # no length: train.max_steps (required) decides
             self.total_steps = cfg.train.max_steps
         else:
-            self.total_steps = math.ceil(len(self.loader) / self.accumulation) * cfg.train.epochs
+            self.total_steps = self.loader.epoch_steps * cfg.train.epochs
             self.total_steps = min(self.total_steps, cfg.train.max_steps or self.total_steps)
 
     def restore(self) -> None:

@@ -140,6 +140,15 @@ class Loader:
         return -(-self.sampler.num_samples // self.batch_size) if not self.loader.drop_last else \
             self.sampler.num_samples // self.batch_size
 
+    @property
+    def epoch_steps(self) -> int:
+        """Optimizer steps in a whole epoch (map-style sets), wherever a resume put the position: the schedule's unit."""
+        if isinstance(self.sampler, StreamSampler):
+            return self.sampler.steps(0)
+        if isinstance(self.sampler, GlobalBatchSampler):
+            return self.sampler.steps_per_epoch
+        return -(-len(self) // self.accumulation)
+
     def remaining(self) -> int:
         """Batches left in this epoch (a very large number for iterable sets)."""
         return 2**62 if self.sampler is None else len(self) - self.position
