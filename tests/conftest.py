@@ -261,3 +261,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "image" in t.fixturenames and not t.get_closest_marker("timeout"):
             # Its first test builds the image (or waits for the other worker's build): minutes on a busy machine.
             t.add_marker(pytest.mark.timeout(IMAGE_TIMEOUT))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under xdist the tests that need the built image run last on their worker, which meanwhile runs its other
+        # cluster tests; under CI the compatibility sets (one process, collection order) start by building it.
+        items.sort(key=lambda t: "image" in getattr(t, "fixturenames", ()))

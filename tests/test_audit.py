@@ -3,14 +3,20 @@ and real gloo runs of the built-in trainer with a slow rank and a flipped bit (T
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from trainer.runtime.health.audit import EXIT_AUDIT, Detector, digest, outliers
+from trainer.runtime.health.audit import EXIT_AUDIT, digest, outliers
+from trainer.runtime.health.straggler import Detector, Meter
+from trainer.runtime.poll import Layout, Message
 from trainer.testing.faults import Faults
 
 from .conftest import ROOT, SMALL, faults, ok, result_of, spawn_ranks, wait_ranks
@@ -72,8 +78,71 @@ def test_a_straggler_carries_its_node_ratio_and_the_nodes_times() -> None:
     got = [s for i, t in enumerate([[1, 1, 1, 1]] + [[0.01, 0.01, 0.01, 0.016]] * 3)
            for s in d.observe(110 + 10 * i, t)]
     assert len(got) == 1 and (got[0].rank, got[0].node, got[0].since, got[0].step) == (3, "b", 111, 130)
-    assert got[0].ratio == 1.6 and got[0].ms == {"a": 10.0, "b": 13.0}
-    assert got[0].describe().startswith("straggler: rank 3 on b computes 1.60× the others' time per step since step 111")
+    assert got[0].ratio == 1.6 and got[0].ms == {"a": 10.0, "b": 16.0} and got[0].blame
+    # The others waited 6 ms a step for 20 steps: 0.12 s of the 0.32 s the job took over the stretch.
+    assert (got[0].lost_s, got[0].lost_pct) == (0.12, 37.5)
+    assert got[0].describe() == ("straggler: rank 3 on b takes 1.60× the others' time per step since step 111; the job "
+                                 "lost 0.1 s (38 %) waiting for it")
+
+
+# (per-rank times, the nodes of the ranks, the ranks named): nodes compared with nodes, each at its slowest rank
+NODE_CASES = [
+    ([1, 1, 1, 1.6], ["a", "a", "b", "b"], [3]),  # one slow rank makes its node late at every all-reduce
+    ([1, 1.6, 1.6, 1.6], ["a", "a", "b", "b"], []),  # every node has a slow rank: none is slower than another
+    ([1.6, 1, 1, 1], ["a", "b", "c", "d"], [0]),
+    ([1, 1.6], ["vm", "vm"], [1]),  # one node: its ranks compared, and no node to blame
+]
+
+
+@pytest.mark.parametrize(("times", "nodes", "named"), NODE_CASES)
+def test_nodes_are_compared_with_nodes_and_one_node_blames_none(times: list[float], nodes: list[str],
+                                                               named: list[int]) -> None:
+    d = Detector(1.3, 20, nodes, 0)
+    got = [s for i in range(5) for s in d.observe(10 * (i + 1), [1.0] * len(times) if i == 0 else times)]
+    assert [s.rank for s in got] == named
+    assert all(s.blame == (len(set(nodes)) > 1) for s in got)
+    if got and not got[0].blame:
+        assert got[0].describe().startswith("straggler: rank 1 takes") and "no node blamed" in got[0].describe()
+
+
+def test_the_meter_counts_everything_but_the_waits_for_the_others() -> None:
+    """Injected clock: a step is data (2), forward (3), backward to the last gradient (4), the wait in the all-reduce
+    (5), the optimizer (1) and host work (2); then the poll's wait (7). Own time: 12 a step, the waits left out."""
+    now = [0.0]
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter = Meter(model, [opt], own=True, device=torch.device("cpu"), clock=lambda: now[0])
+    layout = Layout(1)
+    meter.register(layout)
+
+    def step() -> None:
+        now[0] += 2  # data
+        loss = model(torch.ones(1, 2)).sum()
+        now[0] += 3 + 4  # forward and backward up to the last gradient
+        loss.backward()  # the gradient hooks fire: arrived
+        now[0] += 5  # waiting in the all-reduce
+        opt.step()  # pre-hook: left the all-reduce
+        now[0] += 1 + 2  # optimizer, host work
+
+    def poll(step: int) -> float:
+        message = Message(layout, 0)
+        meter.send(message, step)  # arrived at the poll
+        now[0] += 7  # its all-reduce waits for the others
+        meter.receive(message, step)
+        return message.each(meter.field)[0]
+
+    assert poll(0) == 0.0  # the first poll opens the window
+    step()
+    step()
+    assert poll(2) == pytest.approx(12.0)
+    model.eval()
+    model(torch.ones(1, 2))
+    model.train()
+    step()
+    assert poll(3) == 0.0  # an evaluation in the window: skipped
+    step()
+    assert poll(4) == pytest.approx(12.0)
+    meter.close()
 
 
 @pytest.mark.parametrize(("digests", "odd", "majority"), [
@@ -128,9 +197,10 @@ def test_a_slowed_rank_is_named_with_its_node_in_the_event_the_console_and_the_r
     assert [(s["rank"], s["node"], s["action"]) for s in named] == [(1, "n2", "report")], named
     s = named[0]
     assert s["ratio"] > 1.3 and s["step"] - s["since"] + 1 >= 20 and s["ms"]["n2"] > s["ms"]["n1"], s
-    assert "straggler: rank 1 on n2 computes" in proc.stdout
+    assert "straggler: rank 1 on n2 takes" in proc.stdout
     assert result_of(run)["outcome"] == "finished"
-    assert "straggler in attempt 1: rank 1 on n2 computed" in (run / "report.html").read_text()
+    assert "straggler in attempt 1: rank 1 on n2 took" in (run / "report.html").read_text()
+    assert s["lost_s"] > 0 and 0 < s["lost_pct"] < 100, s
 
 
 def test_on_straggler_restart_saves_and_ends_the_attempt_blaming_the_node(tmp_path: Path) -> None:
@@ -187,3 +257,76 @@ def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, ki
     ok(wait_ranks(ranks, args, 240))
     named = events(run, "straggler")
     assert [(s["rank"], s["node"]) for s in named] == [(1, "n2")], named
+
+
+SLOW_PARTS = ROOT / "tests" / "scripts" / "slow_parts.py"
+
+
+class Throttle:
+    """SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, again and again, on a process (no loader workers) from outside
+    (a noisy neighbour, a throttled host): the time lost falls wherever the process happens to be."""
+
+    def __init__(self, pid: int, stop_s: float = 0.02, run_s: float = 0.03) -> None:
+        self.pid, self.stop_s, self.run_s, self.done = pid, stop_s, run_s, threading.Event()
+        self.thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        try:
+            while not self.done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self.done.wait(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self.done.wait(self.run_s)
+        except ProcessLookupError:
+            return
+
+    def __enter__(self) -> Throttle:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+
+def test_a_rank_throttled_from_outside_is_named_with_its_node_and_the_time_lost(tmp_path: Path) -> None:
+    """SIGSTOP 20 ms / SIGCONT 30 ms on rank 1's process, as a throttled host: 40 % of its time stopped, wherever it
+    is (loading data, in backward, in host work), so the other waits for it. A step here is mostly computation, as a
+    real model's is (a stop inside an all-reduce delays both ranks alike, and is nobody's), and the cycle is shorter
+    than a poll window, as a CPU quota's 100 ms periods are beside a real job's windows."""
+    run = tmp_path / "run"
+    args = ["--slow", "none", "--hidden", "512", "--batch", "1024", "--steps", "100", "tracking.mode=disabled",
+            "checkpoint.poll_steps=5", *AUDIT, f"run.dir={run}"]
+    ranks = spawn_ranks(args, tmp_path, 2, {"RUN_DIR": str(run)}, script=SLOW_PARTS, nodes=NODES[:2])
+    with Throttle(ranks[1].pid):
+        proc = ok(wait_ranks(ranks, args, 240))
+    named = events(run, "straggler")
+    assert [(s["rank"], s["node"], s["blame"]) for s in named] == [(1, "n2", True)], (named, proc.stdout[-2000:])
+    assert named[0]["lost_s"] > 0 and "straggler in attempt 1: rank 1 on n2 took" in (run / "report.html").read_text()
+
+
+@pytest.mark.parametrize("slow", ["data", "host"])
+def test_a_rank_slow_outside_forward_and_optimizer_is_named(tmp_path: Path, slow: str) -> None:
+    """An own loop whose rank 1 reads slowly (its data set sleeps 2 ms a sample, 16 ms a step) or does host work after
+    each step (16 ms): neither is a forward or an optimizer step, and both make the other rank wait."""
+    run = tmp_path / "run"
+    args = ["--slow", slow, "--slow-ms", "2" if slow == "data" else "16", "--steps", "80", "tracking.mode=disabled",
+            "checkpoint.poll_steps=5", *AUDIT, f"run.dir={run}"]
+    ok(wait_ranks(spawn_ranks(args, tmp_path, 2, {"RUN_DIR": str(run)}, script=SLOW_PARTS, nodes=NODES[:2]),
+                  args, 240))
+    assert [(s["rank"], s["node"]) for s in events(run, "straggler")] == [(1, "n2")]
+
+
+def test_on_one_node_a_slow_rank_is_named_but_no_node_is_blamed_or_restarted_without(tmp_path: Path) -> None:
+    """Two ranks on one machine (a laptop's `make train`): the slow one is named as a rank, with no node to blame, and
+    on_straggler=restart does not end the attempt: there is no other node to go on with."""
+    run = tmp_path / "run"
+    args = ["--slow", "host", "--slow-ms", "16", "--steps", "80", "tracking.mode=disabled", "checkpoint.poll_steps=5",
+            *AUDIT, "audit.on_straggler=restart", f"run.dir={run}"]
+    proc = ok(wait_ranks(spawn_ranks(args, tmp_path, 2, {"RUN_DIR": str(run)}, script=SLOW_PARTS), args, 240))
+    named = events(run, "straggler")
+    assert [(s["rank"], s["blame"], s["action"]) for s in named] == [(1, False, "report")], named
+    assert "no node blamed" in proc.stdout and "not restarting" in proc.stdout
+    assert result_of(run)["outcome"] == "finished"

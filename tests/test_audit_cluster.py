@@ -30,7 +30,7 @@ def test_a_straggler_is_restarted_without_its_node_and_the_job_ends_as_if_uninte
     ends = events(run, "attempt_end")
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
     assert ends[0]["class"] == "infrastructure" and ends[0]["blamed"] == [s["node"]], ends[0]
-    assert f"straggler: rank 1 on {s['node']} computes" in ends[0]["cause"], ends[0]
+    assert f"straggler: rank 1 on {s['node']} takes" in ends[0]["cause"], ends[0]
     second = {json.loads(p.read_text())["node"] for p in (run / "exits").glob(f"{job}.0.1/train-*.json")}
     assert len(second) == 2 and s["node"] not in second, second
     assert events(run, "attempt")[1]["resumed_step"] == s["step"]  # saved when named: nothing recomputed

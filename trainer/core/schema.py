@@ -159,13 +159,14 @@ class CheckpointConfig:
 @dataclass
 class AuditConfig:
     straggler_ratio: float = 1.3
-    """A rank whose compute per step (forwards, optimizer; not collectives) stays above this × the others' is slow."""
+    """A node whose time per step outside waiting for the others stays above this × the other nodes' is slow."""
     straggler_steps: int = 50
-    """Steps a rank must stay that slow before it is named a straggler; 0 turns straggler detection off."""
+    """Steps a node must stay that slow before it is named a straggler; 0 turns straggler detection off."""
     straggler_floor_ms: float = 10.0
     """...and above the others' by at least this many milliseconds per step: a small model's noise is no straggler."""
     on_straggler: str = "report"
-    """report (event, console, report, status name the node) or restart (save, end the attempt blaming the node)."""
+    """report (event, console, report, status name the node and the time lost) or restart (save, end the attempt
+    blaming the node; not on a job with one node)."""
     replicas_every_steps: int = 0
     """DDP: steps between the ranks' comparison of their parameters, which must be bit-identical; 0: before every
     checkpoint save (a disagreement never saves); -1: off."""

@@ -73,9 +73,9 @@ class Parts:
 
 
 def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], config: dict[str, Any],
-               config_yaml: str) -> Parts:
+               config_yaml: str, wrapper: nn.Module | None = None) -> Parts:
     """Collective: decide and check everything, restore ``objects``, then open the run folder and its parts
-    (``config``: what W&B records, ``config_yaml``: the run folder's config.yaml)."""
+    (``config``: what W&B records, ``config_yaml``: the run folder's config.yaml; ``wrapper``: DDP around ``model``)."""
     cfg, env, job = s.cfg, s.env, s.job
     Audit.check(cfg, env, model, s.device)
     run = RunDir.decide(env, cfg.run.dir or job.run_dir)
@@ -88,7 +88,7 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
     heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s)
     tracker = Tracker(cfg, env, job, run.path)
     tracker.start(config, restored.run_id)
-    group = open_group(s, run, model, objects, restored.step, events, snapshots)
+    group = open_group(s, run, model, objects, restored.step, events, snapshots, wrapper)
     checkpointer = open_checkpointer(s.sharded, run.checkpoints, env.is_main, cfg.checkpoint.keep,
                                      on_write=heartbeat.alive, model=model)
     saves = Saves(checkpointer, group.policy, heartbeat, events, env.is_main, restored.resumed)
@@ -96,10 +96,10 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
 
 
 def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str, Any], step: int, events: EventLog,
-               snapshots: Snapshots | None) -> Group:
+               snapshots: Snapshots | None, wrapper: nn.Module | None = None) -> Group:
     """Collective: the audits from ``step`` on, and the save policy whose poll also agrees the snapshots' interval
     and the straggler meter's times."""
-    audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say)
+    audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say, wrapper)
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
                          s.job.end_time, parts=(snapshots, audit.meter))
     return Group(audit, policy)

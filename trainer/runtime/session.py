@@ -108,6 +108,8 @@ class Session:
         self.events = EventLog(None)
         """Rank 0's event log (events.jsonl), from ``restore`` on."""
         self.model: nn.Module | None = None
+        self.wrapper: nn.Module | None = None
+        """DDP around ``model`` (its forward broadcasts buffers: a wait the straggler meter leaves out)."""
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         fmt = self.cfg.checkpoint.format
         self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
@@ -159,7 +161,7 @@ class Session:
             return self.model  # (checkpoints keep their format)
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
-        ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        ddp = self.wrapper = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.env.world_size > 2:  # resumed, the first step sums in the uninterrupted run's order (runtime/buckets.py)
             prime_when_resumed(ddp, lambda: self.resumed is not None)
         return ddp
@@ -206,7 +208,7 @@ class Session:
         self.objects = objects
         setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
         self.parts = p = open_parts(setup, self.model, objects, {**self.config_dict, **self.extra_config},
-                                    to_yaml(self.cfg))
+                                    to_yaml(self.cfg), self.wrapper)
         self.events, self.resumed, self.step = p.events, p.restored.resumed, p.restored.step
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
@@ -285,6 +287,7 @@ class Session:
             self.deadline = True
         if p.snapshots and not (poll.due or self.preempted) and p.snapshots.due(step):
             p.snapshots.take(*self._state(step), step)
+            p.group.audit.synced()
         return poll.due or self.preempted
 
     @property
@@ -301,6 +304,7 @@ class Session:
         if blocking is None:
             blocking = self.preempted or not self.cfg.checkpoint.async_save
         path = self.saves.save(*self._state(step), step, blocking)
+        p.group.audit.synced()  # the save's time and its waits are no rank's own
         self.tracker.flush()
         return path
 

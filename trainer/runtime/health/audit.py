@@ -1,8 +1,9 @@
 """Fail-slow and silent corruption (``audit.*``): ranks that keep running, but slowly or wrongly.
 
-Stragglers: each rank times its own computation (training forwards and optimizer steps; collectives aside, where the
-fast ranks wait for the slow one) and the ranks share it at the signal polls, in the flags' all-reduce. A rank whose
-time per step stays above ``straggler_ratio`` × the others' median for ``straggler_steps`` steps is named once.
+Stragglers (``straggler.py``): each rank measures its own time per step, everything outside waiting for the others,
+and the ranks share it at the signal polls, in the flags' all-reduce. A node whose time per step stays above
+``straggler_ratio`` × the other nodes' median for ``straggler_steps`` steps is named once (on one node: a rank, and no
+node is blamed).
 Replicas: under DDP every rank holds the same parameters, bit for bit; before each save (and every
 ``replicas_every_steps``) the ranks compare a digest of them, and the ranks outside the majority are named. What
 follows is the Session's: report, or end the attempt blaming the node (``Stop``) so the self-healing rules go on
@@ -11,8 +12,6 @@ without it; a disagreement never saves the state it found.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,28 +26,10 @@ from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.core.schema import Config
 from trainer.runtime.health.replay import Replay, digest
-from trainer.runtime.poll import Layout, Message
+from trainer.runtime.health.straggler import Detector, Meter, Straggler
 
 EXIT_AUDIT = 4
 """An audit ended the attempt (a straggler with ``on_straggler: restart``, replicas that disagree)."""
-
-
-@dataclass(frozen=True)
-class Straggler:
-    rank: int
-    node: str
-    ratio: float
-    """Its compute time per step over the others' median, on average since ``since``."""
-    since: int
-    """The first step of the slow stretch."""
-    step: int
-    """The step at which it was named."""
-    ms: dict[str, float]
-    """Compute milliseconds per step of each node (the median of its ranks) in the last window."""
-
-    def describe(self) -> str:
-        return (f"straggler: rank {self.rank} on {self.node} computes {self.ratio:.2f}× the others' time per step "
-                f"since step {self.since}")
 
 
 @dataclass(frozen=True)
@@ -58,110 +39,6 @@ class Stop:
     cause: str
     blame: list[str]
     save: bool
-
-
-class Meter:
-    """This rank's seconds of computation: the model's training forwards (``forward``; FSDP's gather parameters from
-    the other ranks, so there only the optimizer steps count) and every optimizer step. CUDA events on a GPU, read
-    once they are done (never a sync); the clock on the CPU, where the ``slow_rank`` test fault stretches them. Every
-    rank's time per step rides on the polls (a per-rank field), and ``agreed`` holds the last poll's."""
-
-    def __init__(self, model: nn.Module | None, optimizers: list[torch.optim.Optimizer], forward: bool,
-                 device: torch.device, rank: int) -> None:
-        self.gpu, self.rank, self.step = device.type == "cuda", rank, 0
-        self.agreed: tuple[float, ...] = ()
-        self.seconds, self.t0, self.last_step = 0.0, 0.0, -1
-        self.open: Any = None
-        self.pending: list[tuple[Any, Any]] = []
-        self.handles: list[Any] = []
-        if forward and model is not None:
-            self.handles += [model.register_forward_pre_hook(lambda m, a: self._start() if m.training else None),
-                             model.register_forward_hook(lambda m, a, o: self._end() if m.training else None)]
-        for opt in optimizers:
-            self.handles += [opt.register_step_pre_hook(lambda *a: self._start()),
-                             opt.register_step_post_hook(lambda *a: self._end())]
-
-    def _start(self) -> None:
-        if self.gpu:
-            self.open = torch.cuda.Event(enable_timing=True)
-            self.open.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def _end(self) -> None:
-        if self.gpu:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((self.open, end))
-            return
-        hooks.current().stretch(time.perf_counter() - self.t0, self.rank, self.step)
-        self.seconds += time.perf_counter() - self.t0
-
-    def take(self, step: int) -> float:
-        """Seconds of computation per step since the last call (0 on the first: no window yet)."""
-        if self.gpu:
-            done = [p for p in self.pending if p[1].query()]
-            self.pending = [p for p in self.pending if p not in done]
-            self.seconds += sum(s.elapsed_time(e) for s, e in done) / 1000
-        span, first, self.last_step = step - self.last_step, self.last_step < 0, step
-        per_step, self.seconds = 0.0 if first or span <= 0 else self.seconds / span, 0.0
-        return per_step
-
-    def register(self, layout: Layout) -> None:
-        self.field = layout.add("compute seconds per step", per_rank=True)
-
-    def send(self, message: Message, step: int) -> None:
-        message.put(self.field, self.take(step))
-
-    def receive(self, message: Message, step: int) -> None:
-        self.agreed = message.each(self.field)
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-class Detector:
-    """Names a rank whose compute time per step stays above ``ratio`` × the others' median, and above it by ``floor_s``,
-    for ``steps`` steps, on average over that stretch. A stretch starts at a window above both and goes on through
-    windows above half of each margin (1.15 for 1.3: one noisy window does not hide a straggler, nor does one make
-    one). The first window of an attempt (compiling, warming the allocator) and windows a rank computed nothing in
-    are skipped."""
-
-    def __init__(self, ratio: float, steps: int, nodes: list[str], start: int, floor_s: float = 0.0) -> None:
-        self.ratio, self.steps, self.nodes, self.last, self.floor_s = ratio, steps, nodes, start, floor_s
-        self.windows = 0
-        self.slow: dict[int, tuple[int, float]] = {}
-        """Rank → (first step of its slow stretch, Σ ratio × steps over it)."""
-        self.named: set[int] = set()
-
-    def observe(self, step: int, times: list[float]) -> list[Straggler]:
-        since, span = self.last, step - self.last
-        if span <= 0:
-            return []
-        self.last, self.windows = step, self.windows + 1
-        if self.windows == 1 or min(times) <= 0:
-            return []
-        out = []
-        for rank, t in enumerate(times):
-            others = statistics.median(times[:rank] + times[rank + 1:])
-            ratio, part = t / others, 1.0 if rank not in self.slow else 0.5  # a stretch goes on at half the margins
-            if ratio <= 1 + part * (self.ratio - 1) or t - others <= part * self.floor_s:
-                self.slow.pop(rank, None)
-                continue
-            first, weighted = self.slow.get(rank, (since, 0.0))
-            self.slow[rank] = (first, weighted + ratio * span)
-            mean = (weighted + ratio * span) / (step - first)
-            if step - first >= self.steps and mean > self.ratio and rank not in self.named:
-                self.named.add(rank)
-                out.append(Straggler(rank, self.nodes[rank], round(mean, 2), first + 1, step, self.per_node(times)))
-        return out
-
-    def per_node(self, times: list[float]) -> dict[str, float]:
-        nodes: dict[str, list[float]] = {}
-        for node, t in zip(self.nodes, times, strict=True):
-            nodes.setdefault(node, []).append(t)
-        return {n: round(1000 * statistics.median(ts), 2) for n, ts in nodes.items()}
 
 
 def outliers(digests: list[int]) -> tuple[list[int], bool]:
@@ -189,7 +66,8 @@ class Audit:
     ``end`` then. ``check`` refuses, before the run folder is opened, an audit that cannot run."""
 
     def __init__(self, cfg: Config, env: DistEnv, model: nn.Module | None, objects: dict[str, Any],
-                 device: torch.device, start: int, emit: Callable[..., None], say: Callable[[str], None]) -> None:
+                 device: torch.device, start: int, emit: Callable[..., None], say: Callable[[str], None],
+                 wrapper: nn.Module | None = None) -> None:
         self.cfg, self.env, self.model, self.emit, self.say = cfg.audit, env, model, emit, say
         self.stop: Stop | None = None
         self.step = start
@@ -199,7 +77,9 @@ class Audit:
                                  self.cfg.straggler_floor_ms / 1000) \
             if multi and self.cfg.straggler_steps else None
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device, env.rank) if self.detector else None
+        stretch = lambda s: hooks.current().stretch(s, env.rank, self.step)  # noqa: E731 - the compute slowdown fault
+        self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device, stretch, wrapper=wrapper) \
+            if self.detector else None
         self.replicas = multi and self.cfg.replicas_every_steps >= 0 and model is not None
         if self.replicas and cfg.dist.strategy == "fsdp":
             self.replicas = False
@@ -232,8 +112,6 @@ class Audit:
         """After each step's poll (collective): the test fault's flipped bit; every ``replicas_every_steps`` the
         replicas compared; after a poll, every rank's compute per step (the meter's) names stragglers."""
         self.step = step
-        if self.meter is not None:
-            self.meter.step = step
         if self.replay is not None:
             self.replay.step = step
         if self.model is not None:
@@ -246,14 +124,24 @@ class Audit:
             self.observe(self.detector.observe(step, list(times)), step)
 
     def observe(self, named: list[Straggler], step: int) -> None:
-        """Stragglers named (once each): an event and a line; with ``on_straggler: restart`` the first stops."""
+        """Stragglers named (once each): an event and a line; with ``on_straggler: restart`` the first stops (not on
+        one node: there is no node to restart without)."""
         for s in named:
+            restart = self.cfg.on_straggler == "restart"
             self.emit("straggler", durable=True, rank=s.rank, node=s.node, ratio=s.ratio, since=s.since, step=step,
-                      ms=s.ms, action=self.cfg.on_straggler)
+                      ms=s.ms, lost_s=s.lost_s, lost_pct=s.lost_pct, blame=s.blame,
+                      action=self.cfg.on_straggler if s.blame else "report")
+            then = ("; saving, then restarting without it" if s.blame else
+                    "; not restarting (audit.on_straggler=restart): the job has no other node")
             self.say(f"{s.describe()} ({', '.join(f'{n} {ms:g} ms' for n, ms in s.ms.items())})"
-                     + ("; saving, then restarting without it" if self.cfg.on_straggler == "restart" else ""))
-            if self.cfg.on_straggler == "restart" and self.stop is None:
+                     + (then if restart else ""))
+            if restart and s.blame and self.stop is None:
                 self.stop = Stop(s.describe(), [s.node], save=True)
+
+    def synced(self) -> None:
+        """After a collective the meter does not see (a save, a snapshot): its time and waits are no rank's own."""
+        if self.meter is not None:
+            self.meter.resync()
 
     def agree(self, step: int) -> bool:
         """Collective: whether the replicas hold the same parameters (True when not compared). A disagreement is a

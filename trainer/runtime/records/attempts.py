@@ -188,8 +188,10 @@ def audit_lines(runs: list[Attempt]) -> list[str]:
         for e in a.times("straggler"):
             times = ", ".join(f"{n} {ms:g} ms" + (" (slow)" if n == e["node"] else "") for n, ms in e["ms"].items())
             then = "saved and restarted without it" if e["action"] == "restart" else "reported"
-            out.append(f"straggler in attempt {i}: rank {e['rank']} on {e['node']} computed {e['ratio']:.2f}× the others' "
-                       f"time per step from step {e['since']} (named at step {e['step']}; {times}); {then}")
+            who = f"rank {e['rank']} on {e['node']}" if e.get("blame", True) else f"rank {e['rank']} (one node)"
+            lost = f", {e['lost_s']:.1f} s ({e['lost_pct']:.0f} %) lost waiting for it" if "lost_s" in e else ""
+            out.append(f"straggler in attempt {i}: {who} took {e['ratio']:.2f}× the others' time per step from step "
+                       f"{e['since']} (named at step {e['step']}; {times}{lost}); {then}")
         for e in a.times("corruption"):
             who = ", ".join(e.get("nodes") or []) or "no node (no majority)"
             what = e.get("cause") or f"ranks {e.get('ranks')} disagreed with the other replicas at step {e.get('step')}"
