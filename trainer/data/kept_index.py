@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ def store(folder: Path, path: Path, reader: Reader, index: Index) -> None:
         return  # nothing a scan learnt (token files, Arrow, Parquet's footer): reading it again is cheap
     meta["arrays"] = bool(arrays)
     base = folder / _name(path, reader)
-    tmp = f".{os.getpid()}.tmp"
+    tmp = f".{socket.gethostname()}.{os.getpid()}.tmp"  # ranks on other nodes may write the same index at once
     try:
         folder.mkdir(exist_ok=True)
         if arrays:
