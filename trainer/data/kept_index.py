@@ -104,11 +104,11 @@ def index_all(shards: Sequence[tuple[Reader, Path]], folder: Path | None, rank: 
     that scans it. Without a folder every rank scans every shard."""
     if folder is None:
         return [reader.index(path) for reader, path in shards]
-    found: list[Index | None] = [load(folder, path, reader) for reader, path in shards]
+    found: list[Index | None] = [None] * len(shards)
     mine = list(range(rank % world, len(shards), world))
-    for i in mine + [i for i in range(len(shards)) if i % world != rank % world]:
+    for i in mine + [i for i in range(len(shards)) if i % world != rank % world]:  # read once each, as late as can be
         reader, path = shards[i]
-        ix = found[i] or load(folder, path, reader)
+        ix = load(folder, path, reader)
         if ix is None:
             ix = reader.index(path)
             store(folder, path, reader, ix)

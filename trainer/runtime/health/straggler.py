@@ -213,13 +213,15 @@ class Detector:
 
     def units(self, times: list[float]) -> list[tuple[int, float]]:
         """(the rank that sets it, its time) per unit: each node's slowest rank, or each rank on one node."""
-        if not self.by_node:
-            return list(enumerate(times))
-        slowest: dict[str, tuple[int, float]] = {}
+        return list(self.slowest(times).values()) if self.by_node else list(enumerate(times))
+
+    def slowest(self, times: list[float]) -> dict[str, tuple[int, float]]:
+        """Each node's slowest rank and its time."""
+        out: dict[str, tuple[int, float]] = {}
         for rank, (node, t) in enumerate(zip(self.nodes, times, strict=True)):
-            if node not in slowest or t > slowest[node][1]:
-                slowest[node] = (rank, t)
-        return list(slowest.values())
+            if node not in out or t > out[node][1]:
+                out[node] = (rank, t)
+        return out
 
     def observe(self, step: int, times: list[float]) -> list[Straggler]:
         since, span = self.last, step - self.last
@@ -245,7 +247,4 @@ class Detector:
         return out
 
     def per_node(self, times: list[float]) -> dict[str, float]:
-        nodes: dict[str, float] = {}
-        for node, t in zip(self.nodes, times, strict=True):
-            nodes[node] = max(nodes.get(node, 0.0), t)
-        return {n: round(1000 * t, 2) for n, t in nodes.items()}
+        return {n: round(1000 * t, 2) for n, (_, t) in self.slowest(times).items()}
