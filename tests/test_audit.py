@@ -3,17 +3,14 @@ and real gloo runs of the built-in trainer with a slow rank and a flipped bit (T
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.outside import Throttle
 from trainer.runtime.health.audit import EXIT_AUDIT, digest, outliers
 from trainer.runtime.health.straggler import Detector, Meter
 from trainer.runtime.poll import Layout, Message
@@ -260,35 +257,6 @@ def test_a_slowed_rank_is_named_in_an_own_loop_and_under_fsdp(tmp_path: Path, ki
 
 
 SLOW_PARTS = ROOT / "tests" / "scripts" / "slow_parts.py"
-
-
-class Throttle:
-    """SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, again and again, on a process (no loader workers) from outside
-    (a noisy neighbour, a throttled host): the time lost falls wherever the process happens to be."""
-
-    def __init__(self, pid: int, stop_s: float = 0.02, run_s: float = 0.03) -> None:
-        self.pid, self.stop_s, self.run_s, self.done = pid, stop_s, run_s, threading.Event()
-        self.thread = threading.Thread(target=self._cycle, daemon=True)
-
-    def _cycle(self) -> None:
-        try:
-            while not self.done.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                self.done.wait(self.stop_s)
-                os.kill(self.pid, signal.SIGCONT)
-                self.done.wait(self.run_s)
-        except ProcessLookupError:
-            return
-
-    def __enter__(self) -> Throttle:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.thread.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)
 
 
 def test_a_rank_throttled_from_outside_is_named_with_its_node_and_the_time_lost(tmp_path: Path) -> None:
