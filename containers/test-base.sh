@@ -16,6 +16,10 @@
 #                empty: no cache)
 #   DEBIAN_MIRROR                              (default http://deb.debian.org/debian)
 #   HOST_CAS     1: trust the host's site CAs in the image too (default 1)
+#   IMAGE_CACHE  folder that keeps the built image as a `docker save` archive, named by what went into it (this
+#                script, TORCH_SPEC, the mirror, HOST_CAS), and loads it next time instead of building: a
+#                fresh engine (CI's) then has it in half a minute, as a registry pull would give it
+#                (default /var/cache/slurm-ddp-roots, beside the dev clusters' Debian roots; empty: no cache)
 set -euo pipefail
 
 TAG="${1:-slurm-ddp-test-base:bookworm}"
@@ -23,6 +27,7 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 WHEEL_DIR="${WHEEL_DIR-${TMPDIR:-/tmp}/slurm-ddp-wheels}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 HOST_CAS="${HOST_CAS:-1}"
+IMAGE_CACHE="${IMAGE_CACHE-/var/cache/slurm-ddp-roots}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 log() { printf 'test-base [%3d s]: %s\n' "$SECONDS" "$*" >&2; }
@@ -38,6 +43,17 @@ docker info >/dev/null 2>&1 \
 if docker image inspect "$TAG" >/dev/null 2>&1; then
   log "$TAG already exists; nothing to do (docker rmi $TAG to rebuild)"
   exit 0
+fi
+
+cached=""
+if [[ -n $IMAGE_CACHE ]]; then
+  key="$({ cat "${BASH_SOURCE[0]}"; echo "$TORCH_SPEC $MIRROR $HOST_CAS"; } | sha256sum | cut -c1-16)"
+  cached="$IMAGE_CACHE/test-base-$key.tar"
+  if [[ -f $cached ]] && docker load -i "$cached" >/dev/null && docker tag "slurm-ddp-test-base:$key" "$TAG"; then
+    docker rmi "slurm-ddp-test-base:$key" >/dev/null  # the tag only: the image stays as $TAG
+    log "loaded $TAG from $cached in $SECONDS s"
+    exit 0
+  fi
 fi
 ((EUID == 0)) || die "needs root (debootstrap, chroot)"
 
@@ -158,3 +174,13 @@ docker run --rm --network host "$TAG" python3 -c \
   'import numpy, torch; print("torch", torch.__version__, "numpy", numpy.__version__, "cuda", torch.cuda.is_available())' >&2 \
   || { docker rmi "$TAG" >/dev/null 2>&1 || true; die "the new image cannot import torch; removed it"; }
 log "built $TAG in $SECONDS s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1 / 1e6}')"
+if [[ -n $cached ]] && mkdir -p "$IMAGE_CACHE"; then
+  # Saved under a tag of its own (the key), written aside and renamed: a half-written archive is never loaded.
+  docker tag "$TAG" "slurm-ddp-test-base:$key"
+  if docker save "slurm-ddp-test-base:$key" -o "$cached.part.$$" && mv "$cached.part.$$" "$cached"; then
+    log "kept as $cached"
+  else
+    rm -f "$cached.part.$$"
+  fi
+  docker rmi "slurm-ddp-test-base:$key" >/dev/null
+fi

@@ -230,14 +230,23 @@ IMAGE_TIMEOUT = 1200
 """Seconds for a test that uses the built container image, its build included."""
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
+CLUSTER_SECONDS = {
+    "tests/test_healing.py": 1180, "tests/test_slurm.py": 420, "tests/test_slurm_commands.py": 280,
+    "tests/test_audit_cluster.py": 190, "tests/test_runs_cluster.py": 170, "tests/test_docker.py": 150,
+    "tests/test_apptainer.py": 110, "tests/test_sweep_cluster.py": 110, "tests/test_shards_cluster.py": 110,
+    "tests/test_doctor.py": 80, "tests/test_leftovers.py": 70,
+}
+"""Seconds each file's cluster tests took in CI (.ci/run, 2026-11-27, 2 cores; --durations=0), to share the files
+out so the clusters finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist (tests/xdist_groups.py). Every test of a dev cluster runs on one worker, in file order:
     the cluster's nodes fit one job at a time, and the healing tests drain and blame nodes the others would use (with
     them, a file's tests that share a module fixture, such as the built image). With several clusters (DEV_CLUSTERS),
-    whole files go to the cluster with the fewest tests so far, one group and one worker each. Other tests sharing a
-    module fixture (a reference run) run on one worker, so it is made once. The rest spread over the workers.
+    whole files go to the cluster with the fewest seconds of tests so far (CLUSTER_SECONDS), one group and one worker
+    each. Other tests sharing a module fixture (a reference run) run on one worker, so it is made once. The rest
+    spread over the workers.
     """
     from .xdist_groups import publish  # here: imported before pytest registers it, it would miss assert rewriting
 
@@ -245,13 +254,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cluster_files = {path for t, path, shared in tests if "slurm_env" in t.fixturenames and shared}
     on_cluster = [(t, path) for t, path, shared in tests
                   if "slurm_env" in t.fixturenames or (path in cluster_files and shared)]
-    counts: dict[str, int] = {}
+    cost: dict[str, float] = {}
     for _, path in on_cluster:
-        counts[path] = counts.get(path, 0) + 1
-    load = [0] * max(1, len(CLUSTERS))
-    for path in sorted(counts, key=lambda f: (-counts[f], f)):
+        cost[path] = cost.get(path, 0) + 40
+    cost = {path: CLUSTER_SECONDS.get(path, c) for path, c in cost.items()}
+    load = [0.0] * max(1, len(CLUSTERS))
+    for path in sorted(cost, key=lambda f: (-cost[f], f)):  # the costliest first, each to the least loaded cluster
         CLUSTER_OF[path] = load.index(min(load))
-        load[CLUSTER_OF[path]] += counts[path]
+        load[CLUSTER_OF[path]] += cost[path]
     groups = {t.nodeid: f"dev-cluster-{CLUSTER_OF[path]}" for t, path in on_cluster}
     for t, path, shared in tests:
         if shared and t.nodeid not in groups:

@@ -23,6 +23,7 @@ from .test_slurm import cluster_cmd, sh, slurm_env
 __all__ = ["engine_env", "image", "slurm_env"]  # the fixtures, shared
 
 SLOW = [*SMALL, "train.epochs=2", "checkpoint.every_steps=3"]
+SQUASHFS = "SQUASHFS_ARGS=-comp lz4"  # builds in half the time of the default gzip here (61 s against 132 s idle)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def sif(image: str, engine_env: dict[str, str], apptainer_env: dict[str, str],
         saved = subprocess.run(["docker", "save", image, "-o", str(archive)], env=engine_env, capture_output=True,
                                text=True)
         assert saved.returncode == 0, saved.stderr
-        built = subprocess.run(["make", "-s", "sif", f"IMAGE_TAR={archive}", f"SIF={out}.part"], cwd=ROOT,
+        built = subprocess.run(["make", "-s", "sif", f"IMAGE_TAR={archive}", f"SIF={out}.part", SQUASHFS], cwd=ROOT,
                                env=apptainer_env, capture_output=True, text=True, timeout=900)
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         archive.unlink()

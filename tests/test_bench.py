@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,9 @@ from .conftest import ROOT, clean_env
 
 
 @pytest.mark.timeout(900)  # about a minute alone, a few times that beside two other workers on 2 cores
+@pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get("TRAINER_TEST_BENCH") != "1",
+                    reason="the benchmark script's smoke run (85 CPU seconds, 1/8 of the suite's): CI runs it; "
+                           "here TRAINER_TEST_BENCH=1 make test")
 def test_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                           env=clean_env(), capture_output=True, text=True, timeout=840)
@@ -59,17 +63,24 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     assert gpu.section(None)[2].startswith("Not measured yet")
 
 
-def test_the_audit_section_shows_the_overhead_and_the_false_alarms() -> None:
+def test_the_audit_section_shows_the_overhead_the_detection_and_the_false_alarms() -> None:
     from benchmarks import audit
     from benchmarks.common import spread
 
-    r = {"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-26", "command": "python -m benchmarks.audit",
-         "pairs": 2, "size": 8, "on_vs_off": spread([0.99, 1.004]), "replay_vs_not": spread([0.98, 0.99]),
-         "clean_steps": 10000, "slowed_named": [[(1, 50)], []], "false_alarms": 0,
-         "tiny_step_ms": 3.0}
+    r = {"machine": {"cpu": "cpu", "cores": 2},
+         "overhead": {"pairs": 2, "size": 8, "on_vs_off": spread([0.99, 1.004]), "replay_vs_not": spread([0.98, 0.99]),
+                      "command": "python -m benchmarks.audit --only overhead", "date": "2026-11-26"},
+         "detection": {"runs": [{"after_s": 4.2, "rank": 1, "lost_s": 0.9}, {"after_s": None, "rank": None,
+                                                                            "lost_s": None}],
+                       "slowdown": 1.3, "command": "c", "date": "2026-11-27"},
+         "alarms": {"local": {"runs": 20, "steps": 7680, "events": [], "step_ms": spread([60.0, 70.0])},
+                    "cluster": None, "command": "a", "date": "2026-11-27"}}
     text = "\n".join(audit.section(r))
-    assert "| 0.997× (0.990×–1.004×) |" in text and "| straggler events in 10,000 clean steps" in text
-    assert "| rank 1 after 50; not named |" in text
+    assert "| 0.997× (0.990×–1.004×) | `python -m benchmarks.audit --only overhead`, 2026-11-26 |" in text
+    assert "slowed 1.3× from outside from its first step (2 runs, defaults): named | rank 1 after 4.2 s; not named |" \
+        in text
+    assert "| straggler events in 20 clean `make train` runs (7,680 steps, 65 ms (60 ms–70 ms) a step) | 0 |" in text
+    assert "the dev cluster was down" in text
     assert audit.section(None)[2].startswith("Not measured yet")
 
 
