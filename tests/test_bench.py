@@ -74,10 +74,12 @@ def test_the_audit_section_shows_the_overhead_the_detection_and_the_false_alarms
                                                                             "lost_s": None}],
                        "slowdown": 1.3, "command": "c", "date": "2026-11-27"},
          "alarms": {"local": {"runs": 20, "steps": 7680, "events": [], "step_ms": spread([60.0, 70.0])},
+                    "workload": {"runs": 5, "steps": 1280, "events": [{"rank": 0, "ratio": 1.4}], "step_ms": spread([80.0])},
                     "cluster": None, "command": "a", "date": "2026-11-27"}}
     text = "\n".join(audit.section(r))
     assert "| 0.997× (0.990×–1.004×) | `python -m benchmarks.audit --only overhead`, 2026-11-26 |" in text
-    assert "slowed 1.3× from outside from its first step (2 runs, defaults): named | rank 1 after 4.2 s; not named |" \
+    assert "2 runs, the detector's defaults): named | rank 1 after 4.2 s; not named |" in text
+    assert "| straggler events in 5 clean runs of the detection workload (1,280 steps, 80 ms (80 ms–80 ms) a step) | 1 |" \
         in text
     assert "| straggler events in 20 clean `make train` runs (7,680 steps, 65 ms (60 ms–70 ms) a step) | 0 |" in text
     assert "the dev cluster was down" in text

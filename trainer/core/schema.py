@@ -158,7 +158,7 @@ class CheckpointConfig:
 
 @dataclass
 class AuditConfig:
-    straggler_ratio: float = 1.3
+    straggler_ratio: float = 1.2
     """A node whose time per step outside waiting for the others stays above this × the other nodes' is slow."""
     straggler_steps: int = 50
     """Steps a node must stay that slow before it is named a straggler; 0 turns straggler detection off."""

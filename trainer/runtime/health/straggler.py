@@ -194,7 +194,7 @@ class _Stretch:
 class Detector:
     """Names a node (on one node: a rank) whose time per step stays above ``ratio`` × the others' median, and above
     it by ``floor_s``, for ``steps`` steps, on average over that stretch. A stretch starts at a window above both and
-    goes on through windows above half of each margin (1.15 for 1.3: one noisy window does not hide a straggler, nor
+    goes on through windows above half of each margin (1.1 for 1.2: one noisy window does not hide a straggler, nor
     does one make one). The first window of an attempt (compiling, warming the allocator) and windows a rank
     measured nothing in (an evaluation, a save) are skipped."""
 
