@@ -34,7 +34,10 @@ def apptainer_env(slurm_env: dict[str, str]) -> dict[str, str]:
         if os.environ.get("CI") == "true":
             pytest.fail("no Apptainer under CI: .ci/run starts it with containers/apptainer.sh up")
         pytest.skip("no Apptainer: `bash containers/apptainer.sh up` makes one from Debian sid")
-    return exported(script, slurm_env)
+    # The tasks' unpacked copies of the SIF (1.4 GB each, containers/apptainer-task.sh) go with Apptainer's own state,
+    # which `apptainer.sh down` (and CI) removes: in /tmp every new image would leave one behind.
+    state = os.environ.get("APPTAINER_DIR") or f"{os.environ.get('TMPDIR', '/tmp')}/slurm-ddp-apptainer"
+    return {**exported(script, slurm_env), "TRAINER_IMAGE_CACHE": f"{state}/images"}
 
 
 @pytest.fixture(scope="module")

@@ -108,9 +108,9 @@ class Session:
         self.events = EventLog(None)
         """Rank 0's event log (events.jsonl), from ``restore`` on."""
         self.model: nn.Module | None = None
+        """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         self.wrapper: nn.Module | None = None
         """DDP around ``model`` (its forward broadcasts buffers: a wait the straggler meter leaves out)."""
-        """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         fmt = self.cfg.checkpoint.format
         self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
 
