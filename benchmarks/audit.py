@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import recovery
 from benchmarks.common import ROOT, clean_env, dev_cluster_env, machine, pairs, processes, publish, show, spread
 from benchmarks.outside import Throttle
 
@@ -37,11 +38,8 @@ WORKLOAD = ["data.batch_size=512", "data.synthetic_train_size=262144", "train.ep
 
 
 def events_of(folder: Path, kind: str) -> list[dict[str, Any]]:
-    try:
-        lines = (folder / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+    """The run's events of one kind (none yet while a line is half written: recovery.events_of)."""
+    return [e for e in recovery.events_of(folder) if e["event"] == kind]
 
 
 def train(args: list[str], tmp: Path, during: Callable[[subprocess.Popen[str], Path], Any] | None = None
@@ -105,12 +103,8 @@ def on_cluster(env: dict[str, str], tmp: Path) -> dict[str, Any]:
                           "--nodes", "2", "--", f"run.dir={folder}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True).stdout
     job = out.split("submitted job ")[1].split()[0]
-    deadline = time.monotonic() + 1800
-    while not (folder / "result.json").exists() or subprocess.run(
-            ["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"job {job} did not finish")
-        time.sleep(1)
+    recovery.wait_until(lambda: (folder / "result.json").exists() and not subprocess.run(
+        ["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip(), 1800, f"job {job} to end")
     result = json.loads((folder / "result.json").read_text())
     return {"steps": result["global_step"], "stragglers": events_of(folder, "straggler")}
 

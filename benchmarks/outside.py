@@ -104,11 +104,6 @@ class CpuQuota:
                 return self.root / path.lstrip("/")
         return self.root
 
-    def throttled_s(self) -> float:
-        """Seconds the group's processes have been held back by the quota so far."""
-        stat = dict(line.split() for line in (self.group / "cpu.stat").read_text().splitlines())
-        return int(stat["throttled_usec"]) / 1e6 if "throttled_usec" in stat else int(stat["throttled_time"]) / 1e9
-
     def lift(self) -> None:
         if not self.group.exists():
             return
