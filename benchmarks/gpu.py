@@ -22,42 +22,66 @@ import torch
 
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, each, machine, pairs, publish, show, spread, trainer_run
+from benchmarks.lm import lm_rows, lm_section
+
+WARMUP = 10
+"""Steps before the timed ones: 3 left a compiled model short of its steady state (section 4 of 2026-11-26)."""
+
+
+VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile")
+
+
+def _variant(variant: str, res: int, batch: int, device: torch.device) -> Any:
+    """One variant's step function, warmed up (compilation, autotuning, the allocator's first sizes)."""
+    import torchvision
+
+    if "compile" in variant:
+        torch.compiler.reset()  # else a second resnet18 recompiles the same code with dynamic shapes (slower kernels)
+    model: Any = torchvision.models.resnet18(num_classes=10).to(device)
+    x = torch.randn(batch, 3, res, res, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    if "channels_last" in variant:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    if "compile" in variant:
+        model = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in variant):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP):
+        step()
+    return step
 
 
 def precision_rows(repeats: int, smoke: bool) -> list[dict[str, Any]] | dict[str, str]:
-    """GPU only: resnet18 forward+backward throughput, fp32 vs bf16 autocast vs channels_last (+ torch.compile)."""
+    """GPU only: resnet18 forward+backward throughput, fp32 vs bf16 autocast vs channels_last (+ torch.compile): every
+    variant warmed up first, then timed in rounds of one burst each, so that each round's ratios share the machine."""
     if not torch.cuda.is_available() and not smoke:
         return {"skipped": "no GPU on this machine"}
-    import torchvision
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for res, batch in ((32, 256), (224, 64)) if not smoke else ((32, 4),):
-        for variant in ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile"):
-            if smoke and "compile" in variant:
-                continue
-            model: Any = torchvision.models.resnet18(num_classes=10).to(device)
-            x = torch.randn(batch, 3, res, res, device=device)
-            y = torch.randint(0, 10, (batch,), device=device)
-            if "channels_last" in variant:
-                model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
-            if "compile" in variant:
-                model = torch.compile(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            times = []
-            for i in range(3 + repeats * 5):
+        variants = [v for v in VARIANTS if not (smoke and "compile" in v)]
+        steps = {v: _variant(v, res, batch, device) for v in variants}
+        rates: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(max(3, repeats * 2)):
+            for v in variants:
                 _sync(device)
                 t = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in variant):
-                    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                for _ in range(5):
+                    steps[v]()
                 _sync(device)
-                if i >= 3:  # warm-up (and compilation) excluded
-                    times.append(time.perf_counter() - t)
-            rows.append({"resolution": res, "batch": batch, "variant": variant, "device": device.type,
-                         "samples_per_s": batch / statistics.median(times)})
+                rates[v].append(5 * batch / (time.perf_counter() - t))
+        for v in variants:
+            vs_fp32 = [a / b for a, b in zip(rates[v], rates["fp32"], strict=True)]
+            rows.append({"resolution": res, "batch": batch, "variant": v, "device": device.type, "warmup": WARMUP,
+                         "samples_per_s": statistics.median(rates[v]), "vs_fp32": spread(vs_fp32)})
+        del steps
     return rows
 
 
@@ -127,57 +151,77 @@ def checkpoints(repeats: int, tmp: Path) -> list[dict[str, Any]] | dict[str, str
 
 
 def section(r: dict[str, Any] | None) -> list[str]:
-    """Section 4 of docs/benchmarks.md from ``python -m benchmarks.gpu``'s results (None: never measured)."""
+    """Section 4 of docs/benchmarks.md from ``python -m benchmarks.gpu``'s results (None: never measured). A part the
+    last run did not measure is shown from the earlier run kept beside it (``earlier``), named as such."""
     out = ["## 4. GPU only", ""]
     if r is None:
         return out + ["Not measured yet: run `python -m benchmarks.gpu` on a machine with a GPU.", ""]
-    m = r["machine"]
-    out += [f"Measured by `{r['command']}` on {r['date']}: {', '.join(m['gpus']) or 'no GPU'}, {m['cpu']}, "
-            f"{m['cores']} cores; Python {m['python']}, torch {m['torch']}. Figures from this GPU machine compare only "
-            "with each other, not with the CPU sections." + (f" Note: {r['note']}." if r.get("note") else ""), ""]
+    out += [f"Measured by `{r['command']}` on {r['date']}: {where(r)}. Figures from a GPU machine compare only with "
+            "each other, not with the CPU sections." + (f" Note: {r['note']}." if r.get("note") else ""), ""]
     if r.get("tests"):  # the GPU tests' run on the same machine, kept beside the figures by hand
         out += [f"GPU tests on that machine: `{r['tests']['command']}`: {r['tests']['result']}.", ""]
-    t = r.get("trainer_vs_bare", {"skipped": "not run"})
+    earlier: dict[str, Any] = r.get("earlier", {})
+    for key, render in (("lm", lm_section), ("precision", precision_section), ("trainer_vs_bare", bare_section),
+                        ("checkpoint", checkpoint_section), ("dp_vs_ddp", dp_section)):
+        if key in r:
+            out += render(r[key])
+        elif key in earlier:
+            out += [f"*From the run of {earlier['date']} (`{earlier['command']}`, {where(earlier)}):*", ""]
+            out += render(earlier[key])
+        else:
+            out += render({"skipped": "not run"})
+    return out + [f"- {x}" for x in r.get("findings", [])] + ([""] if r.get("findings") else [])
+
+
+def where(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    return f"{', '.join(m['gpus']) or 'no GPU'}, {m['cpu']}, {m['cores']} cores; Python {m['python']}, torch {m['torch']}"
+
+
+def bare_section(t: dict[str, Any]) -> list[str]:
     if "skipped" in t:
-        out += [f"- Trainer vs bare loop on one GPU: skipped ({t['skipped']}).", ""]
-    else:
-        out += ["Trainer vs the bare loop (section 1's model and data), one process on one GPU, interleaved pairs:", "",
-                "| batch | trainer samples/s | bare samples/s | trainer / bare | per pair | trainer launch → first step (s) |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {w['batch']} | {w['trainer_samples_per_s']['median']:.0f} | {w['bare_samples_per_s']['median']:.0f} | "
-                f"**{show(w['trainer_vs_bare'])}** | {each(w['trainer_vs_bare'])} | {show(w['launch_s'], '{:.2f}')} |"
-                for w in t["rows"]]
-        out.append("")
-    c = r.get("checkpoint", {"skipped": "not run"})
+        return [f"- Trainer vs bare loop on one GPU: skipped ({t['skipped']}).", ""]
+    out = ["Trainer vs the bare loop (section 1's model and data), one process on one GPU, interleaved pairs:", "",
+           "| batch | trainer samples/s | bare samples/s | trainer / bare | per pair | trainer launch → first step (s) |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {w['batch']} | {w['trainer_samples_per_s']['median']:.0f} | {w['bare_samples_per_s']['median']:.0f} | "
+            f"**{show(w['trainer_vs_bare'])}** | {each(w['trainer_vs_bare'])} | {show(w['launch_s'], '{:.2f}')} |"
+            for w in t["rows"]]
+    return out + [""]
+
+
+def checkpoint_section(c: list[dict[str, Any]] | dict[str, str]) -> list[str]:
     if isinstance(c, dict):
-        out += [f"- Checkpoints of a GPU-resident state: skipped ({c['skipped']}).", ""]
-    else:
-        out += ["Checkpoint cost of a state on the GPU (section 2's pairs; the asynchronous save first copies the state "
-                "into pinned host buffers):", "", "| model | state (MiB) | raw (s) | ours (s) | speed vs raw | "
-                "async stall (s) | stall vs sync | first async stall (s) |", "|---|---|---|---|---|---|---|---|"]
-        out += [f"| {k['model']} | {k['state_mb']:.1f} | {k['raw_s']['median']:.3f} | {k['sync_s']['median']:.3f} | "
-                f"**{show(k['speed_vs_raw'], '{:.0%}')}** | {k['async_stall_s']['median']:.3f} | "
-                f"**{show(k['stall_vs_sync'], '{:.0%}')}** | {k['first_async_stall_s']:.3f} |" for k in c]
-        out.append("")
-    p = r.get("precision", {"skipped": "not run"})
+        return [f"- Checkpoints of a GPU-resident state: skipped ({c['skipped']}).", ""]
+    out = ["Checkpoint cost of a state on the GPU (section 2's pairs; the asynchronous save first copies the state "
+           "into pinned host buffers):", "", "| model | state (MiB) | raw (s) | ours (s) | speed vs raw | "
+           "async stall (s) | stall vs sync | first async stall (s) |", "|---|---|---|---|---|---|---|---|"]
+    out += [f"| {k['model']} | {k['state_mb']:.1f} | {k['raw_s']['median']:.3f} | {k['sync_s']['median']:.3f} | "
+            f"**{show(k['speed_vs_raw'], '{:.0%}')}** | {k['async_stall_s']['median']:.3f} | "
+            f"**{show(k['stall_vs_sync'], '{:.0%}')}** | {k['first_async_stall_s']:.3f} |" for k in c]
+    return out + [""]
+
+
+def precision_section(p: list[dict[str, Any]] | dict[str, str]) -> list[str]:
     if isinstance(p, dict):
-        out += [f"- resnet18 precision and layout: skipped ({p['skipped']}).", ""]
-    else:
-        out += ["resnet18 forward + backward + SGD step, median of the timed steps after 3 warm-up steps "
-                "(compilation included in the warm-up). The variants ran one after another, not as interleaved pairs: "
-                "\"vs fp32\" is a ratio of medians, for orientation only.", "",
-                "| resolution | batch | variant | samples/s | vs fp32 |",
-                "|---|---|---|---|---|"]
-        base = {(x["resolution"], x["batch"]): x["samples_per_s"] for x in p if x["variant"] == "fp32"}
-        out += [f"| {x['resolution']} | {x['batch']} | {x['variant']} | {x['samples_per_s']:.0f} | "
-                f"{x['samples_per_s'] / base[(x['resolution'], x['batch'])]:.2f}× |" for x in p]
-        out.append("")
-    d = r.get("dp_vs_ddp", {"skipped": "not run"})
+        return [f"- resnet18 precision and layout: skipped ({p['skipped']}).", ""]
+    out = [f"resnet18 forward + backward + SGD step after {p[0].get('warmup', 3)} warm-up steps (compilation included "
+           "in the warm-up), every variant built first and then timed in rounds of one 5-step burst each: \"vs fp32\" "
+           "is the median of each round's ratio, with its spread.", "",
+           "| resolution | batch | variant | samples/s | vs fp32 |", "|---|---|---|---|---|"]
+    base = {(x["resolution"], x["batch"]): x["samples_per_s"] for x in p if x["variant"] == "fp32"}
+
+    def ratio(x: dict[str, Any]) -> str:  # a run from before the rounds: a ratio of medians
+        return f"{x['samples_per_s'] / base[(x['resolution'], x['batch'])]:.2f}×"
+    out += [f"| {x['resolution']} | {x['batch']} | {x['variant']} | {x['samples_per_s']:.0f} | "
+            f"{show(x['vs_fp32']) if 'vs_fp32' in x else ratio(x)} |" for x in p]
+    return out + [""]
+
+
+def dp_section(d: list[dict[str, Any]] | dict[str, str]) -> list[str]:
     if isinstance(d, dict):
-        out += [f"- DataParallel vs DDP: skipped ({d['skipped']}).", ""]
-    else:
-        out += ["DataParallel vs DDP:", ""] + [f"- {json.dumps(x)}" for x in d] + [""]
-    return out
+        return [f"- DataParallel vs DDP: skipped ({d['skipped']}).", ""]
+    return ["DataParallel vs DDP:", ""] + [f"- {json.dumps(x)}" for x in d] + [""]
 
 
 def stored(folder: Path) -> dict[str, Any] | None:
@@ -192,7 +236,8 @@ def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, A
                                "command": f"python -m benchmarks.gpu --repeats {repeats}"}
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=tmp) as t:
-        parts = (("precision", lambda: precision_rows(repeats, False)),
+        parts = (("lm", lambda: lm_rows(repeats + 2, False)),
+                 ("precision", lambda: precision_rows(repeats, False)),
                  ("trainer_vs_bare", lambda: trainer_vs_bare(repeats, size, Path(t))),
                  ("checkpoint", lambda: checkpoints(repeats, Path(t))),
                  ("dp_vs_ddp", lambda: dp_vs_ddp(repeats, size, Path(t))))

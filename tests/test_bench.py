@@ -38,6 +38,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert first["vs_auto"]["1 min"]["median"] > 1 and first["vs_auto"]["60 min"]["median"] > 1
     assert "## 6. Checkpoint cadence under simulated interruptions" in page
     assert "## 4. GPU only" in page and results["precision_smoke"][0]["samples_per_s"] > 0
+    lm = results["lm_smoke"]["rows"][0]  # the LM's bare loop and Session's, interleaved
+    assert lm["variant"] == "eager" and len(lm["trainer_vs_bare"]) == 1 and lm["launch_s"] > lm["first_step_s"]
 
 
 def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_path: Path) -> None:
@@ -51,6 +53,7 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     lines = gpu.section(stored)
     assert lines[0] == "## 4. GPU only" and any(stored["machine"]["gpus"][0] in line for line in lines)
     assert sum(line.startswith("| 32 | ") for line in lines) >= 1  # the one-GPU trainer vs bare row at batch 32
+    assert any(line.startswith("| compiled | ") for line in lines)  # GPT-2 small, compiled
     page = tmp_path / "benchmarks.md"
     page.write_text("# B\n\n## 3. x\n\nthree\n## 4. GPU only\n\nold\n\n## 5. y\n\nfive\n")
     splice(page, lines)

@@ -113,7 +113,8 @@ def test_two_processes_on_one_gpu_stop_at_once_with_the_cause(tmp_path: Path) ->
 def test_own_time_on_a_gpu_comes_from_cuda_events() -> None:
     """The straggler meter on a GPU: from leaving one step's synchronisation (its optimizer step) to the next step's
     last gradient, read from CUDA events once done. A host clock would see only the kernel launches; on one process
-    nothing waits, so its own time is nearly the whole step (the first step opens the measure)."""
+    nothing waits, so its own time is nearly the whole step. Beside another process that keeps the GPU busy, the events
+    count its time slices too (H200, 2026-11-27: own 31.1 ms, wall 31.1 ms; alone 13.9 and 13.9)."""
     import time
 
     from trainer.runtime.health.straggler import Meter
@@ -123,17 +124,22 @@ def test_own_time_on_a_gpu_comes_from_cuda_events() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     meter = Meter(model, [opt], own=True, device=torch.device("cuda"))
     x = torch.randn(4096, 4096, device="cuda")
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps(2)  # cuBLAS's set-up and the allocator's first blocks: 0.1-0.3 s of host time in the first step (H200)
     assert meter.take(0) == 0.0  # the first call opens the window
     torch.cuda.synchronize()
     began = time.perf_counter()
-    for _ in range(10):
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    steps(10)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - began) / 10
     per_step = meter.take(10)
-    assert 0.6 * wall < per_step < 1.1 * wall, (per_step, wall)  # 9 of the 10 steps, each nearly whole
+    assert 0.6 * wall < per_step < 1.1 * wall, (per_step, wall)  # each step nearly whole
     meter.close()
 
 

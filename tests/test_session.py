@@ -15,7 +15,7 @@ import torch
 from trainer.checkpoint import file as ckpt
 from trainer.checkpoint import layout
 
-from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
 from .test_tracking import run_files
 from .wandb_records import summary
 
@@ -163,6 +163,31 @@ def test_session_errors_are_clear(tmp_path: Path) -> None:
     proc = ok(run_trainer([], tmp_path, script=script), code=2)
     assert proc.stderr.startswith("error: optim.lrr: unknown key") and "HINT:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+COMPILE_CACHE = """import os, sys, trainer
+
+def main():
+    with trainer.Session(sys.argv[1:]) as sess:
+        sess.restore()
+        print("cache:", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        return sess.finish()
+
+trainer.main(main)
+"""
+
+
+@pytest.mark.parametrize("own", ["", "/scratch/my cache"])
+def test_compile_cache_lives_in_the_run_folder_unless_the_user_chose_one(tmp_path: Path, own: str) -> None:
+    """A requeued or recovered attempt on another node finds what the last one compiled (inductor's default is the
+    node's /tmp); a folder the user set is theirs."""
+    script = tmp_path / "loop.py"
+    script.write_text(COMPILE_CACHE)
+    env = clean_env({"TORCHINDUCTOR_CACHE_DIR": own})
+    if not own:
+        del env["TORCHINDUCTOR_CACHE_DIR"]
+    proc = ok(run_trainer([f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled"], tmp_path, env=env, script=script))
+    assert f"cache: {own or tmp_path / 'run' / 'compile-cache'}" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize(("args", "said"), [
