@@ -55,10 +55,10 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     assert sum(line.startswith("| 32 | ") for line in lines) >= 1  # the one-GPU trainer vs bare row at batch 32
     assert any(line.startswith("| compiled | ") for line in lines)  # GPT-2 small, compiled
     page = tmp_path / "benchmarks.md"
-    page.write_text("# B\n\n## 3. x\n\nthree\n## 4. GPU only\n\nold\n\n## 5. y\n\nfive\n")
+    page.write_text("# B\n\n## 3. x\n\nthree\n## 4. GPU only\n\nSTALE-SECTION\n\n## 5. y\n\nfive\n")
     splice(page, lines)
     text = page.read_text()
-    assert "old" not in text and "three" in text and text.endswith("## 5. y\n\nfive\n") and lines[2] in text
+    assert "STALE-SECTION" not in text and "three" in text and text.endswith("## 5. y\n\nfive\n") and lines[2] in text
     splice(page, ["## 8. new", "", "eight"])  # a section not there yet: after the ones numbered lower
     splice(page, ["## 6. mid", "", "six"])
     heads = [line for line in page.read_text().splitlines() if line.startswith("## ")]

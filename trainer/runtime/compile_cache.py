@@ -4,22 +4,35 @@ what an earlier attempt compiled instead of compiling it again (GPT-2 small on a
 
 Inductor's default cache is ``/tmp/torchinductor_$USER``: node-local, and gone with the container or the node. Its
 writes are atomic (a temporary file renamed), so the ranks of every node may share one folder. A cache the user chose
-(``TORCHINDUCTOR_CACHE_DIR`` set before the session started) is left alone. Triton's kernels go inside it unless
-``TRITON_CACHE_DIR`` says otherwise.
+(``TORCHINDUCTOR_CACHE_DIR`` set to anything but inductor's default) is left alone. Triton's kernels go inside it
+unless ``TRITON_CACHE_DIR`` says otherwise.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import tempfile
 from pathlib import Path
 
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 
+def default() -> str:
+    """Inductor's own default folder: importing torch._dynamo (DDP, an optimizer) writes it into the variable, so a
+    variable that holds it was not the user's choice."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def chosen_by_user() -> bool:
-    """Whether the process started with its own cache folder (read before anything compiles: inductor sets the
-    variable to its default the first time it looks)."""
-    return VARIABLE in os.environ
+    """Whether the process has a cache folder of its own choosing."""
+    chosen = os.environ.get(VARIABLE)
+    return bool(chosen) and os.path.abspath(chosen or "") != default()
 
 
 def keep_in(run_dir: Path, user_chose: bool) -> Path | None:
