@@ -59,6 +59,7 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = without_placement(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that outlives a test's timeout shows its stacks (ranks_timed_out)
     env["TRAINER_CHECKSUM"] = "1"  # every rank's parameter hash in result.json (off by default: a full model copy)
     env.update(extra or {})
     return env
@@ -106,14 +107,12 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
             first = next((i for i, t in enumerate(readers) if not t.is_alive() and ranks[i].returncode), None)
             stop_at = None if first is None else now + grace
         if now > deadline or (stop_at is not None and now > stop_at):
+            if now > deadline:
+                raise ranks_timed_out(ranks, readers, outs, args, timeout)
             for i, t in enumerate(readers):
                 if t.is_alive():
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(ranks[i].pid, signal.SIGKILL if now > deadline else signal.SIGTERM)
-            if now > deadline:
-                for t in readers:
-                    t.join(30)
-                raise subprocess.TimeoutExpired(args, timeout, "".join(o for o, _ in outs))
+                        os.killpg(ranks[i].pid, signal.SIGTERM)
             stop_at = deadline
         time.sleep(0.05)
     if errors:
@@ -124,6 +123,30 @@ def wait_ranks(ranks: list[Any], args: list[str], timeout: float,
         first = next((i for i, c in enumerate(codes) if c), None)
     code = 0 if first is None else codes[first]
     return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outs), "".join(e or "" for _, e in outs))
+
+
+class RanksTimedOut(subprocess.TimeoutExpired):
+    """A timeout that shows where each rank was: the tail of its output, its Python stacks among it."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.output}"
+
+
+def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: list[tuple[str, str]], args: list[str],
+                    timeout: float) -> RanksTimedOut:
+    """Every rank still running dumps its stacks (SIGABRT: PYTHONFAULTHANDLER=1, clean_env), then is killed."""
+    alive = [i for i, t in enumerate(readers) if t.is_alive()]
+    for i in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[i].pid, signal.SIGABRT)
+    for i in alive:
+        readers[i].join(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ranks[i].pid, signal.SIGKILL)
+        readers[i].join(30)
+    tails = "".join(f"--- rank {i}{' (still running at the timeout)' if i in alive else ''}\n{(o + (e or ''))[-3000:]}\n"
+                    for i, (o, e) in enumerate(outs))
+    return RanksTimedOut(args, timeout, tails)
 
 
 def held(run: Path, procs: list[Any] | None = None, ranks: int | None = None, attempt: str = "0",
