@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,10 +30,10 @@ from typing import Any
 
 from benchmarks import recovery
 from benchmarks.common import ROOT, clean_env, dev_cluster_env, machine, pairs, processes, publish, show, spread
-from benchmarks.outside import Throttle
+from benchmarks.outside import Throttle, pin
 
 OFF = ["audit.straggler_steps=0", "audit.replicas_every_steps=-1"]
-PARTS = ("overhead", "detection", "alarms")
+PARTS = ("overhead", "detection", "workload", "alarms")
 SLOWDOWN = (0.03, 0.1)  # stopped 30 ms, running 100 ms: 1.3× slower
 WORKLOAD = ["data.batch_size=512", "data.synthetic_train_size=262144", "train.epochs=1"]  # 256 steps
 
@@ -64,35 +65,50 @@ def train(args: list[str], tmp: Path, during: Callable[[subprocess.Popen[str], P
 def overhead(n_pairs: int, size: int, tmp: Path) -> dict[str, Any]:
     base = [f"data.synthetic_train_size={size}", "checkpoint.every_steps=50", "tracking.mode=disabled",
             "checkpoint.resume=never", "data.num_workers=0", "train.epochs=1"]
-    got = pairs(n_pairs, lambda: train(base, tmp), lambda: train([*base, *OFF], tmp))
-    replayed = pairs(n_pairs, lambda: train([*base, "audit.replay_every_steps=100"], tmp), lambda: train(base, tmp))
-    return {"pairs": n_pairs, "size": size,
+    got = pairs(n_pairs, lambda: train(base, tmp, pinned), lambda: train([*base, *OFF], tmp, pinned))
+    replayed = pairs(n_pairs, lambda: train([*base, "audit.replay_every_steps=100"], tmp, pinned),
+                     lambda: train(base, tmp, pinned))
+    return {"pairs": n_pairs, "size": size, "pinned": True,
             "on_vs_off": spread([on["train_samples_per_s"] / off["train_samples_per_s"] for on, off in got]),
             "replay_vs_not": spread([on["train_samples_per_s"] / off["train_samples_per_s"] for on, off in replayed]),
             "command": f"python -m benchmarks.audit --only overhead --pairs {n_pairs} --size {size}"}
 
 
-def slowed(proc: subprocess.Popen[str], folder: Path) -> dict[str, Any]:
-    """Once the run's first step is done, rank 1's process slowed 1.3× from outside until the straggler event (or the
-    run's end): when that began and when it was named."""
+def rank_pid(folder: Path, rank: int) -> int:
+    return next(p for p, env, argv in processes() if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RUN_ID")
+                and "trainer" in argv and str(folder) in " ".join(argv))
+
+
+def first_step(proc: subprocess.Popen[str], folder: Path) -> None:
     while not events_of(folder, "first_step"):
         if proc.poll() is not None:
             raise RuntimeError("the run ended before its first step")
         time.sleep(0.05)
-    pid = next(p for p, env, argv in processes() if env.get("RANK") == "1" and env.get("TORCHELASTIC_RUN_ID")
-               and "trainer" in argv and str(folder) in " ".join(argv))
+
+
+def pinned(proc: subprocess.Popen[str], folder: Path) -> dict[str, Any]:
+    """Once the first step is done, rank r (and its loader workers) on core r, as ranks on their own GPUs or nodes
+    are: on two shared cores, clean ranks differ by up to 1.45×, as much as the slowdown measured."""
+    first_step(proc, folder)
+    return {"pinned": [pin(rank_pid(folder, r), {r % (os.cpu_count() or 1)}) for r in (0, 1)]}
+
+
+def slowed(proc: subprocess.Popen[str], folder: Path) -> dict[str, Any]:
+    """Ranks pinned (``pinned``), then rank 1's process slowed 1.3× from outside until the straggler event (or the
+    run's end): when that began and when it was named."""
+    pins = pinned(proc, folder)
     began = time.time()
-    with Throttle(pid, *SLOWDOWN):
+    with Throttle(rank_pid(folder, 1), *SLOWDOWN):
         while proc.poll() is None and not events_of(folder, "straggler"):
             time.sleep(0.05)
     named = events_of(folder, "straggler")
     return {"after_s": round(named[0]["t"] - began, 1) if named else None,
-            "rank": named[0]["rank"] if named else None, "lost_s": named[0]["lost_s"] if named else None}
+            "rank": named[0]["rank"] if named else None, "lost_s": named[0]["lost_s"] if named else None, **pins}
 
 
 def detection(runs: int, tmp: Path) -> dict[str, Any]:
     found = [train(WORKLOAD, tmp, slowed)["during"] for _ in range(runs)]
-    return {"runs": found, "slowdown": round(sum(SLOWDOWN) / SLOWDOWN[1], 2),
+    return {"runs": found, "slowdown": round(sum(SLOWDOWN) / SLOWDOWN[1], 2), "pinned": True,
             "command": f"python -m benchmarks.audit --only detection --detection-runs {runs}"}
 
 
@@ -115,16 +131,20 @@ def clean(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "step_ms": spread([1000 * r["train_time_s"] / r["global_step"] for r in runs])}
 
 
-def alarms(runs: int, workload_runs: int, cluster_runs: int, tmp: Path) -> dict[str, Any]:
+def workload(runs: int, tmp: Path) -> dict[str, Any]:
+    """Clean runs of the detection workload, pinned as the detection runs are: what the rule sees without a fault."""
+    return {**clean([train(WORKLOAD, tmp, pinned) for _ in range(runs)]), "pinned": True,
+            "command": f"python -m benchmarks.audit --only workload --workload-runs {runs}"}
+
+
+def alarms(runs: int, cluster_runs: int, tmp: Path) -> dict[str, Any]:
     local = clean([train([], tmp) for _ in range(runs)])
-    heavy = clean([train(WORKLOAD, tmp) for _ in range(workload_runs)])
     env = dev_cluster_env()
     cluster = [on_cluster(env, tmp) for _ in range(cluster_runs)] if env else []
-    return {"local": local, "workload": heavy,
+    return {"local": local,
             "cluster": {"runs": len(cluster), "steps": sum(r["steps"] for r in cluster),
                         "events": [e for r in cluster for e in r["stragglers"]]} if env else None,
-            "command": f"python -m benchmarks.audit --only alarms --alarm-runs {runs} --workload-runs {workload_runs} "
-                       f"--cluster-runs {cluster_runs}"}
+            "command": f"python -m benchmarks.audit --only alarms --alarm-runs {runs} --cluster-runs {cluster_runs}"}
 
 
 def section(r: dict[str, Any] | None) -> list[str]:
@@ -135,20 +155,25 @@ def section(r: dict[str, Any] | None) -> list[str]:
     out += [f"Measured on {r['machine']['cpu']} ({r['machine']['cores']} cores), the built-in trainer on 2 gloo "
             "processes; each part's command and date below.", "", "| what | figure | measured by |", "|---|---|---|",
             f"| training rate, audits at their defaults ÷ both off ({o['pairs']} interleaved pairs, {o['size']} "
-            f"samples, a save every 50 steps) | {show(o['on_vs_off'], '{:.3f}×')} | `{o['command']}`, {o['date']} |",
+            f"samples, a save every 50 steps{', ranks pinned' if o.get('pinned') else ''}) | "
+            f"{show(o['on_vs_off'], '{:.3f}×')} | `{o['command']}`, {o['date']} |",
             f"| training rate, replay audit every 100 steps ÷ without it (the same setting) | "
             f"{show(o['replay_vs_not'], '{:.3f}×')} | the same |"]
     if d:
         each = "; ".join(f"rank {x['rank']} after {x['after_s']} s" if x["after_s"] is not None else "not named"
                          for x in d["runs"])
+        pins = ", each rank on a core of its own" if d.get("pinned") else ""
         out.append(f"| rank 1 slowed {d['slowdown']}× from outside from its first step (`{' '.join(WORKLOAD)}`, "
-                   f"{len(d['runs'])} runs, the detector's defaults): named | {each} | `{d['command']}`, {d['date']} |")
+                   f"{len(d['runs'])} runs, the detector's defaults{pins}): named | {each} | `{d['command']}`, {d['date']} |")
     if a:
-        loc, heavy, cl = a["local"], a["workload"], a["cluster"]
+        loc, cl = a["local"], a["cluster"]
+        heavy = r.get("workload") or a["workload"]  # its own part since the ranks are pinned for it
         out.append(f"| straggler events in {loc['runs']} clean `make train` runs ({loc['steps']:,} steps, "
                    f"{show(loc['step_ms'], '{:.0f} ms')} a step) | {len(loc['events'])} | `{a['command']}`, {a['date']} |")
+        pins = ", pinned as those" if heavy.get("pinned") else ""
         out.append(f"| straggler events in {heavy['runs']} clean runs of the detection workload ({heavy['steps']:,} "
-                   f"steps, {show(heavy['step_ms'], '{:.0f} ms')} a step) | {len(heavy['events'])} | the same |")
+                   f"steps, {show(heavy['step_ms'], '{:.0f} ms')} a step{pins}) | {len(heavy['events'])} | "
+                   + (f"`{heavy['command']}`, {heavy['date']} |" if "command" in heavy else "the same |"))
         out.append(f"| straggler events in {cl['runs']} clean 2-node runs of the defaults on the dev cluster "
                    f"({cl['steps']:,} steps) | {len(cl['events'])} | the same |" if cl else
                    "| clean 2-node runs on the dev cluster | not measured: the dev cluster was down | |")
@@ -188,7 +213,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for part, measure in (("overhead", lambda: overhead(a.pairs, a.size, Path(tmp))),
                               ("detection", lambda: detection(a.detection_runs, Path(tmp))),
-                              ("alarms", lambda: alarms(a.alarm_runs, a.workload_runs, a.cluster_runs, Path(tmp)))):
+                              ("workload", lambda: workload(a.workload_runs, Path(tmp))),
+                              ("alarms", lambda: alarms(a.alarm_runs, a.cluster_runs, Path(tmp)))):
             if part in only:
                 r[part] = {**measure(), "date": time.strftime("%Y-%m-%d")}
     r["machine"] = machine()

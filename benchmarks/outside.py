@@ -3,7 +3,9 @@ wherever the process happens to be (loading data, in backward, in host work), no
 
 - ``Throttle``: SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, again and again, on one process;
 - ``CpuQuota``: a CPU quota (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us`` where the cpu controller is v1) on a
-  set of processes and every child they start afterwards, as a container limit or a host's share does.
+  set of processes and every child they start afterwards, as a container limit or a host's share does;
+- ``pin``: the opposite, quiet: a process and its children on cores of their own, as ranks on separate GPUs or
+  nodes have them (two ranks sharing two cores differ by up to 1.45× per step with nothing wrong).
 
 Used by the tests (tests/test_audit.py, tests/test_audit_cluster.py) and the audit benchmark (benchmarks/audit.py).
 """
@@ -48,6 +50,22 @@ class Throttle:
         self.thread.join()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGCONT)
+
+
+def pin(pid: int, cores: set[int]) -> int:
+    """Every thread of ``pid`` and of its child processes (loader workers) on ``cores``; threads and children started
+    later inherit it. Returns how many threads were pinned."""
+    family, pinned = {pid}, 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+                family.add(int(stat.parent.name))
+    for member in family:
+        for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cores)
+                pinned += 1
+    return pinned
 
 
 def cpu_controller() -> tuple[Path, str] | None:
