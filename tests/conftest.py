@@ -134,11 +134,12 @@ class RanksTimedOut(subprocess.TimeoutExpired):
 
 def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: list[tuple[str, str]], args: list[str],
                     timeout: float) -> RanksTimedOut:
-    """Every rank still running dumps its stacks (SIGABRT: PYTHONFAULTHANDLER=1, clean_env), then is killed."""
+    """Every rank still running dumps its stacks, and so do its loader workers (SIGABRT to its process group:
+    PYTHONFAULTHANDLER=1, clean_env), then is killed."""
     alive = [i for i, t in enumerate(readers) if t.is_alive()]
     for i in alive:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(ranks[i].pid, signal.SIGABRT)
+            os.killpg(ranks[i].pid, signal.SIGABRT)
     for i in alive:
         readers[i].join(5)
         with contextlib.suppress(ProcessLookupError):
