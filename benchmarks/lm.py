@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT, pairs
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 """Dense bf16 tensor-core peak (FLOP/s) by GPU name; MFU is shown only where the peak is known."""
 
@@ -81,7 +82,8 @@ class Loop:
         return n * self.tokens / (time.perf_counter() - t)
 
 
-def one(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, started: float, run_dir: Path) -> dict[str, Any]:
+def one(variant: str, n_pairs: int, burst: int, warmup: int, tiny: bool, started: float, run_dir: Path
+        ) -> dict[str, Any]:
     """The measurement of one variant in this process (see the module's docstring)."""
     import torch
 
@@ -100,6 +102,7 @@ def one(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, started: 
         torch.manual_seed(0)
         wrapped: Any = sess.wrap(GPT(c))
         phases["models"] = time.time() - started
+        params = sum(p.numel() for p in bare_model.parameters()) - c.block * c.dim  # nanoGPT leaves positions out
         if variant == "compiled":
             bare_model, wrapped = torch.compile(bare_model), torch.compile(wrapped)
         steps = sess.steps(0, 10**9)
@@ -119,9 +122,7 @@ def one(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, started: 
         first_session_s, launch_s = time.perf_counter() - t, time.time() - started
         bare.burst(warmup)
         ours.burst(warmup)
-        rows = [(bare.burst(burst), ours.burst(burst)) if i % 2 == 0 else tuple(reversed((ours.burst(burst), bare.burst(burst))))
-                for i in range(pairs)]
-        params = sum(p.numel() for p in GPT(c).parameters()) - c.block * c.dim  # nanoGPT leaves positions out
+        rows = pairs(n_pairs, lambda: bare.burst(burst), lambda: ours.burst(burst))
         sess.finish()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"variant": variant, "device": name, "shape": s, "params": params, "launch_s": launch_s, "phases_s": phases,
@@ -130,11 +131,11 @@ def one(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, started: 
             "bare_tokens_per_s": [r[0] for r in rows], "session_tokens_per_s": [r[1] for r in rows]}
 
 
-def child(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, run_dir: Path) -> dict[str, Any]:
+def child(variant: str, n_pairs: int, burst: int, warmup: int, tiny: bool, run_dir: Path) -> dict[str, Any]:
     """``one`` in a fresh interpreter (its launch counted), its JSON line read back. The compile cache is the
     session's own (in the run folder), as a user gets it."""
     started = time.time()
-    cmd = [sys.executable, "-m", "benchmarks.lm", "--one", variant, "--pairs", str(pairs), "--burst", str(burst),
+    cmd = [sys.executable, "-m", "benchmarks.lm", "--one", variant, "--pairs", str(n_pairs), "--burst", str(burst),
            "--warmup", str(warmup), "--started", repr(started), "--run-dir", str(run_dir)] + (["--tiny"] if tiny else [])
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -144,26 +145,34 @@ def child(variant: str, pairs: int, burst: int, warmup: int, tiny: bool, run_dir
     return json.loads(lines[-1])
 
 
-def lm_rows(pairs: int, smoke: bool, out: Path | None = None) -> dict[str, Any]:
+def lm_rows(n_pairs: int, smoke: bool, out: Path | None = None) -> dict[str, Any]:
     """Eager and compiled, each with its pairs; the compiled one started again in the same run folder (a second
     attempt: the compile cache the session keeps there). Each row is printed, and kept in ``out``, as it ends (a run
     cut short keeps what it measured)."""
     burst, warmup = (3, 1) if smoke else (20, 10)
     res: dict[str, Any] = {"rows": []}
+    rows = res["rows"]
+
+    def row(variant: str, n: int, run_dir: Path) -> dict[str, Any]:
+        r = child(variant, n, burst, warmup, smoke, run_dir)
+        r["trainer_vs_bare"] = [b and o / b for b, o in zip(r["bare_tokens_per_s"], r["session_tokens_per_s"],
+                                                            strict=True)]
+        return r
+
+    def kept() -> None:
+        print(summary(rows[-1]), flush=True)
+        if out:
+            out.write_text(json.dumps(res, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as runs:
-        # inductor on the CPU needs a compiler and minutes: the smoke run keeps to eager
-        for variant in ("eager",) if smoke else ("eager", "compiled", "again"):
-            r = child("compiled" if variant == "again" else variant, 1 if variant == "again" else pairs, burst, warmup,
-                      smoke, Path(runs) / ("eager" if variant == "eager" else "compiled"))
-            r["trainer_vs_bare"] = [b and o / b for b, o in zip(r["bare_tokens_per_s"], r["session_tokens_per_s"], strict=True)]
-            if variant == "again":
-                res["rows"][-1]["warm_cache_first_step_s"] = r["first_step_s"]
-                res["rows"][-1]["warm_cache_launch_s"] = r["launch_s"]
-            else:
-                res["rows"].append(r)
-            print(summary(res["rows"][-1]), flush=True)
-            if out:
-                out.write_text(json.dumps(res, indent=1) + "\n")
+        rows.append(row("eager", n_pairs, Path(runs) / "eager"))
+        kept()
+        if not smoke:  # inductor on the CPU needs a compiler and minutes: the smoke run keeps to eager
+            rows.append(row("compiled", n_pairs, Path(runs) / "compiled"))
+            kept()
+            again = row("compiled", 1, Path(runs) / "compiled")
+            rows[-1].update(warm_cache_first_step_s=again["first_step_s"], warm_cache_launch_s=again["launch_s"])
+            kept()
     return res
 
 
