@@ -190,6 +190,16 @@ def test_compile_cache_lives_in_the_run_folder_unless_the_user_chose_one(tmp_pat
     assert f"cache: {own or tmp_path / 'run' / 'compile-cache'}" in proc.stdout, proc.stdout
 
 
+def test_the_compile_caches_default_is_inductors_own() -> None:
+    """trainer/runtime/compile_cache.py tells inductor's default from a user's choice by its value, written again there
+    (torch's function for it is private): this pins the two together."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from trainer.runtime import compile_cache
+
+    assert compile_cache.default() == default_cache_dir()
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["audit.replay_every_steps=10"], "error: audit.replay_every_steps: needs DDP replicas"),
     (["run.dir=runs/x", "optim.lrr=1"], "error: optim.lrr: unknown key"),

@@ -20,8 +20,9 @@ VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def default() -> str:
-    """Inductor's own default folder: importing torch._dynamo (DDP, an optimizer) writes it into the variable, so a
-    variable that holds it was not the user's choice."""
+    """Inductor's own default folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir, private: pinned by
+    tests/test_session.py): importing torch._dynamo (DDP, an optimizer) writes it into the variable, so a variable
+    that holds it was not the user's choice."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -35,9 +36,9 @@ def chosen_by_user() -> bool:
     return bool(chosen) and os.path.abspath(chosen or "") != default()
 
 
-def keep_in(run_dir: Path, user_chose: bool) -> Path | None:
+def keep_in(run_dir: Path) -> Path | None:
     """Point inductor's cache at ``run_dir``/compile-cache unless the user chose one; the folder used, or None."""
-    if user_chose:
+    if chosen_by_user():
         return None
     folder = run_dir / "compile-cache"
     os.environ[VARIABLE] = str(folder)

@@ -71,7 +71,6 @@ class Session:
         faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
         self.device = tdist.pick_device(self.env, self.cfg.train.device)
         self.job = job_info()
-        self.own_compile_cache = compile_cache.chosen_by_user()
         # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
         warning = self.job.warning_signal or ""
         warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
@@ -212,7 +211,7 @@ class Session:
         self.parts = p = open_parts(setup, self.model, objects, {**self.config_dict, **self.extra_config},
                                     to_yaml(self.cfg), self.wrapper)
         self.events, self.resumed, self.step = p.events, p.restored.resumed, p.restored.step
-        compile_cache.keep_in(p.run.path, self.own_compile_cache)  # before the first forward compiles anything
+        compile_cache.keep_in(p.run.path)  # before the first forward compiles anything
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
                                                                  strategy=self.cfg.dist.strategy, **p.restored.facts))
