@@ -43,6 +43,7 @@ SMALL = [
     "optim.warmup_steps=2",
     "train.log_every=8",
     "tracking.mode=disabled",
+    "run.report=false",  # a second process per run, a quarter of the suite's CPU: tests/test_report.py makes pages
 ]
 
 

@@ -189,7 +189,7 @@ AUDIT = ["audit.straggler_steps=20", "audit.straggler_floor_ms=1"]
 
 def test_a_slowed_rank_is_named_with_its_node_in_the_event_the_console_and_the_report(tmp_path: Path) -> None:
     run = tmp_path / "slow"
-    proc = ok(train(run, 2, ["train.epochs=4", *AUDIT], SLOWED))
+    proc = ok(train(run, 2, ["train.epochs=4", *AUDIT, "run.report=true"], SLOWED))
     named = events(run, "straggler")
     assert [(s["rank"], s["node"], s["action"]) for s in named] == [(1, "n2", "report")], named
     s = named[0]

@@ -33,8 +33,9 @@ def test_a_node_held_to_a_cpu_quota_is_restarted_without_and_the_job_ends_as_if_
         slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
     """The ranks are held after step 4; rank 1's node's job processes get 5 % of a CPU (a share no busy machine
     gives a process running free), and go on. The floor (20 ms a step above the other node) is far below what the
-    quota costs (about 19 × a step's CPU time) and far above what a busy CI machine costs a clean node. When it is named is the detector's rule (tests/test_audit.py); here,
-    that a slowdown from outside every measured phase is seen, and what the job does about it."""
+    quota costs (about 19 × a step's CPU time) and far above what a busy CI machine costs a clean node. When it is
+    named is the detector's rule (tests/test_audit.py); here, that a slowdown from outside every measured phase is
+    seen, and what the job does about it."""
     run = tmp_path / "run"
     env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
     job = submit(env, "sbatch", [*SLOW, f"run.dir={run}", "checkpoint.poll_steps=2", "audit.straggler_steps=8",

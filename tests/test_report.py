@@ -98,11 +98,14 @@ def test_the_report_is_one_offline_page_with_real_plots(three_attempts: Path, tm
     assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
 
 
-def test_every_finished_run_writes_its_report_and_gives_wandb_its_goodput(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page", [True, False])
+def test_every_finished_run_writes_its_report_and_gives_wandb_its_goodput(tmp_path: Path, page: bool) -> None:
+    """``run.report=false`` skips the page (and its process), not the goodput W&B gets."""
     run = tmp_path / "run"
-    args = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline"]
-    proc = ok(run_trainer([*args, f"run.dir={run}"], tmp_path))
-    assert f"report: {run / 'report.html'}" in proc.stdout and "goodput" in proc.stdout
+    args = [a for a in SMALL if not a.startswith(("tracking.", "run.report"))] + ["tracking.mode=offline"]
+    proc = ok(run_trainer([*args, f"run.dir={run}", f"run.report={page}"], tmp_path))
+    assert (f"report: {run / 'report.html'}" in proc.stdout and "goodput" in proc.stdout) == page, proc.stdout
+    assert (run / "report.html").exists() == page
     events = list(read(run))
     kinds = [e["event"] for e in events]
     assert kinds[0] == "attempt" and kinds[-1] == "exit" and "first_step" in kinds

@@ -183,6 +183,9 @@ class RunConfig:
     """Human-readable run name (tracking); default: the run folder's name."""
     python_path: list[str] = field(default_factory=list)
     """Folders to make importable for model/data/task targets (the folder the job starts from always is)."""
+    report: bool = True
+    """Write report.html (goodput, plots) when the run ends, in a process of its own (about 1 s of one core); false
+    skips it (a sweep's many short trials), and `python -m trainer.report RUN_DIR` writes it later."""
 
 
 @dataclass

@@ -348,7 +348,7 @@ class Session:
                    "strategy": self.cfg.dist.strategy, **(result or {})}
         run.write_result(summary)
         self.events.emit("exit", durable=True, code=0, step=self.step)
-        goodput = run.write_report()
+        goodput = run.write_report(self.cfg.run.report)
         self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
                             | {"global_step": self.step} | goodput)
         return 0

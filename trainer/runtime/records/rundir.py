@@ -76,22 +76,28 @@ class RunDir:
         if self.env.is_main:
             marker.write(self.path)
 
-    def write_report(self) -> dict[str, float]:
-        """At the end of a run (rank 0): the report page, made by the report tool as its own program (the runtime
-        never imports the tools), or one line saying why not; never fails the run. Returns the goodput figures."""
+    def write_report(self, page: bool = True) -> dict[str, float]:
+        """At the end of a run (rank 0): the report page (``page``), made by the report tool as its own program (the
+        runtime never imports the tools), or one line saying why not; never fails the run. Returns the goodput
+        figures."""
         if not self.env.is_main:
             return {}
+        if not page:
+            return self._goodput()
         package_root = str(Path(__file__).resolve().parents[2])  # importable even where the user's script added it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         try:
             done = subprocess.run([sys.executable, "-m", "trainer.report", "--end-of-run", str(self.path)], env=env,
                                   capture_output=True, text=True, timeout=300, check=False)
             say(self.env, done.stdout.strip() or f"note: no run report ({(done.stderr.strip().splitlines() or ['?'])[-1]})")
-            runs = attempts(self.path)
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             say(self.env, f"note: no run report ({type(exc).__name__}: {exc})")
             return {}
+        return self._goodput()
+
+    def _goodput(self) -> dict[str, float]:
         try:
+            runs = attempts(self.path)
             return summary(figures(runs)) if runs else {}
         except Exception as exc:  # noqa: BLE001 - a bug in the figures never fails the run they describe
             say(self.env, f"note: no run summary ({type(exc).__name__}: {exc})")
