@@ -138,6 +138,7 @@ def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: lis
     """Every rank still running dumps its stacks, and so do its loader workers (SIGABRT to its process group:
     PYTHONFAULTHANDLER=1, clean_env), then is killed."""
     alive = [i for i, t in enumerate(readers) if t.is_alive()]
+    waits = "".join(f"--- rank {i}: where the kernel holds its processes\n{kernel_waits(ranks[i].pid)}" for i in alive)
     for i in alive:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(ranks[i].pid, signal.SIGABRT)
@@ -146,9 +147,25 @@ def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: lis
         with contextlib.suppress(ProcessLookupError):
             os.killpg(ranks[i].pid, signal.SIGKILL)
         readers[i].join(30)
-    tails = "".join(f"--- rank {i}{' (still running at the timeout)' if i in alive else ''}\n{(o + (e or ''))[-3000:]}\n"
+    tails = "".join(f"--- rank {i}{' (still running at the timeout)' if i in alive else ''}\n{(o + (e or ''))[-12000:]}\n"
                     for i, (o, e) in enumerate(outs))
-    return RanksTimedOut(args, timeout, tails)
+    return RanksTimedOut(args, timeout, waits + tails)
+
+
+def kernel_waits(group: int) -> str:
+    """Each process of a process group (a rank and its loader workers) with its state (T: stopped) and, per thread,
+    the kernel function it sleeps in: where a hang waits, even for a process whose Python stacks cannot be dumped."""
+    lines = []
+    for stat in sorted(Path("/proc").glob("[0-9]*/stat"), key=lambda p: int(p.parent.name)):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != group:  # field 5: the process group
+                continue
+            proc = stat.parent
+            cmd = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            waits = sorted(t.joinpath("wchan").read_text() or "running" for t in proc.glob("task/[0-9]*"))
+            lines.append(f"pid {proc.name} state {fields[0]} {cmd}\n  threads in: {', '.join(waits)}\n")
+    return "".join(lines) or "(none left)\n"
 
 
 def held(run: Path, procs: list[Any] | None = None, ranks: int | None = None, attempt: str = "0",

@@ -282,7 +282,7 @@ def test_a_rank_slow_outside_forward_and_optimizer_is_named(tmp_path: Path, slow
     each step (16 ms): neither is a forward or an optimizer step, and both make the other rank wait."""
     run = tmp_path / "run"
     args = ["--slow", slow, "--slow-ms", "2" if slow == "data" else "16", "--steps", "80", "tracking.mode=disabled",
-            "checkpoint.poll_steps=5", *AUDIT, f"run.dir={run}"]
+            "run.report=false", "checkpoint.poll_steps=5", *AUDIT, f"run.dir={run}"]
     ok(wait_ranks(spawn_ranks(args, tmp_path, 2, {"RUN_DIR": str(run)}, script=SLOW_PARTS, nodes=NODES[:2]),
                   args, 240))
     assert [(s["rank"], s["node"]) for s in events(run, "straggler")] == [(1, "n2")]
@@ -292,8 +292,8 @@ def test_on_one_node_a_slow_rank_is_named_but_no_node_is_blamed_or_restarted_wit
     """Two ranks on one machine (a laptop's `make train`): the slow one is named as a rank, with no node to blame, and
     on_straggler=restart does not end the attempt: there is no other node to go on with."""
     run = tmp_path / "run"
-    args = ["--slow", "host", "--slow-ms", "16", "--steps", "80", "tracking.mode=disabled", "checkpoint.poll_steps=5",
-            *AUDIT, "audit.on_straggler=restart", f"run.dir={run}"]
+    args = ["--slow", "host", "--slow-ms", "16", "--steps", "80", "tracking.mode=disabled", "run.report=false",
+            "checkpoint.poll_steps=5", *AUDIT, "audit.on_straggler=restart", f"run.dir={run}"]
     proc = ok(wait_ranks(spawn_ranks(args, tmp_path, 2, {"RUN_DIR": str(run)}, script=SLOW_PARTS), args, 240))
     named = events(run, "straggler")
     assert [(s["rank"], s["blame"], s["action"]) for s in named] == [(1, False, "report")], named

@@ -15,7 +15,7 @@ from .conftest import ROOT, clean_env
 
 @pytest.mark.timeout(900)  # about a minute alone, a few times that beside two other workers on 2 cores
 @pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get("TRAINER_TEST_BENCH") != "1",
-                    reason="the benchmark script's smoke run (85 CPU seconds, 1/8 of the suite's): CI runs it; "
+                    reason="the benchmark script's smoke run (85 CPU seconds, a sixth of the suite's): CI runs it; "
                            "here TRAINER_TEST_BENCH=1 make test")
 def test_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--out", str(tmp_path)], cwd=ROOT,

@@ -125,7 +125,8 @@ def _ranks(args: list[str], tmp: Path, world: int, code: int, **fault: int) -> s
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_run_resumed_on_1_then_2_processes_trains_the_uninterrupted_runs_samples(tmp_path: Path,
                                                                                   strategy: str) -> None:
-    common = [f"dist.strategy={strategy}", "checkpoint.poll_steps=1", "tracking.mode=disabled", "train.device=cpu"]
+    common = [f"dist.strategy={strategy}", "checkpoint.poll_steps=1", "tracking.mode=disabled", "run.report=false",
+              "train.device=cpu"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     _ranks([*common, f"run.dir={ref}"], tmp_path, 2, 0)
     first = _ranks([*common, f"run.dir={run}"], tmp_path, 2, 75, preempt_at_step=6)

@@ -17,8 +17,8 @@ from .conftest import ROOT, ok, result_of, run_trainer
 
 def test_next_token_example_trains_on_two_processes_and_its_loss_falls(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer(["config=examples/own_code/next_token.yaml", "tracking.mode=disabled", "train.max_steps=40",
-                           "train.eval_every=0", "data.kwargs.max_bytes=120000",
+    proc = ok(run_trainer(["config=examples/own_code/next_token.yaml", "tracking.mode=disabled", "run.report=false",
+                           "train.max_steps=40", "train.eval_every=0", "data.kwargs.max_bytes=120000",
                            f"run.dir={run}"], ROOT, nproc=2))
     result = result_of(run)
     assert len(set(result["param_checksums"])) == 1

@@ -21,7 +21,7 @@ from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer
 
 CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
 LM = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "40000", "--batch-size", "8", "--sample", "0",
-      "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+      "tracking.mode=disabled", "run.report=false", "checkpoint.poll_steps=1"]
 FSDP = ["dist.strategy=fsdp"]
 BUILTIN = [*SMALL, "train.epochs=2", "data.synthetic_train_size=512", *FSDP]  # 2 ranks × 32: 8 steps per epoch
 

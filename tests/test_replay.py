@@ -132,7 +132,7 @@ def test_an_own_loop_is_replayed_too(tmp_path: Path) -> None:
 
     def lm(run: Path, fault: dict[str, str]) -> Any:
         args = ["--max-steps", "24", "--eval-every", "24", "--max-bytes", "60000", "--batch-size", "8", "--accum", "1",
-                "tracking.mode=disabled", "audit.replay_every_steps=6", f"run.dir={run}"]
+                "tracking.mode=disabled", "run.report=false", "audit.replay_every_steps=6", f"run.dir={run}"]
         return wait_ranks(spawn_ranks(args, tmp_path, 3, {"RUN_DIR": str(run), **fault}, script=CHAR_LM,
                                       nodes=NODES), args, 240)
 

@@ -21,7 +21,7 @@ from .wandb_records import summary
 
 CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
 LM = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "60000", "--batch-size", "8", "--sample", "1",
-      "tracking.mode=disabled"]
+      "tracking.mode=disabled", "run.report=false"]
 
 
 def last_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -52,7 +52,7 @@ def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_rand
 def test_char_lm_on_four_processes_resumes_bit_identically(tmp_path: Path) -> None:
     """An own loop under DDP at 4 processes: the resumed first step sums in the uninterrupted run's buckets."""
     lm = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "60000", "--batch-size", "4",
-          "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+          "tracking.mode=disabled", "run.report=false", "checkpoint.poll_steps=1"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(run_trainer([*lm, f"run.dir={ref}"], tmp_path, nproc=4, script=CHAR_LM))
     at = random.randrange(1, 22)
@@ -141,7 +141,7 @@ def test_a_minimal_user_loop_trains_saves_resumes_exactly_and_logs_one_wandb_run
     script.write_text(textwrap.dedent(USER_LOOP))
     assert "from trainer." not in USER_LOOP and "_" not in "".join(w for w in USER_LOOP.split() if "trainer." in w)
     ref, run = tmp_path / "ref", tmp_path / "run"
-    ok(run_trainer([f"run.dir={ref}", "tracking.mode=disabled"], tmp_path, nproc=2, script=script))
+    ok(run_trainer([f"run.dir={ref}", "tracking.mode=disabled", "run.report=false"], tmp_path, nproc=2, script=script))
     args = [f"run.dir={run}", "tracking.mode=offline"]
     ranks = spawn_ranks(args, tmp_path, env=faults(preempt_at_step=8), script=script)
     outs = [p.communicate(timeout=120)[0] for p in ranks]
@@ -297,12 +297,12 @@ trainer.main(main)
 def test_session_lifecycle_leaves_nothing_behind_and_a_generator_resumes_under_per_rank(tmp_path: Path) -> None:
     script = tmp_path / "lifecycle.py"
     script.write_text(LIFECYCLE)
-    ref = ok(run_trainer(["tracking.mode=disabled", f"run.dir={tmp_path / 'ref'}"], tmp_path, script=script))
+    ref = ok(run_trainer(["tracking.mode=disabled", "run.report=false", f"run.dir={tmp_path / 'ref'}"], tmp_path, script=script))
     assert "signal only works in main thread" in ref.stdout and "group left: False" in ref.stdout, ref.stdout
     assert "rank 0 of 1 main True" in ref.stdout and "step 0: before_restore 1" in ref.stdout
     assert "save before restore: call Session.restore(...) first" in ref.stdout
     whole = eval(ref.stdout.split("draws ")[1].splitlines()[0])  # six draws of the user's generator
-    run = [f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled", "checkpoint.poll_steps=1"]
+    run = [f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled", "run.report=false", "checkpoint.poll_steps=1"]
     first = ok(run_trainer(run, tmp_path, script=script, env=faults(preempt_at_step=2)), code=75)
     second = ok(run_trainer(run, tmp_path, script=script))
     before = eval(first.stdout.split("draws ")[1].splitlines()[0])

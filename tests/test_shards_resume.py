@@ -20,7 +20,7 @@ STEPS, PER_EPOCH = 40, 10
 
 def _attempt(shards: Path, run: Path, tmp: Path, world: int, workers: int, preempt: int | None) -> str:
     args = ["--shards", str(shards), "--workers", str(workers), f"run.dir={run}", "checkpoint.poll_steps=1",
-            "tracking.mode=disabled", "train.device=cpu"]
+            "tracking.mode=disabled", "run.report=false", "train.device=cpu"]
     ranks = spawn_ranks(args, tmp, world, faults(preempt_at_step=preempt) if preempt is not None else None,
                         script=LOOP)
     done = wait_ranks(ranks, args, 240)
