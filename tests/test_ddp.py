@@ -18,7 +18,7 @@ from .conftest import AUDIT, SMALL, clean_env, faults, go, held, ok, result_of, 
 
 def test_two_processes_train_identical_weights_and_learn(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = ok(run_trainer([*SMALL, "train.epochs=2", f"run.dir={run}"], tmp_path, nproc=2, torchrun=True))
+    proc = ok(run_trainer([*SMALL, "train.epochs=2", f"run.dir={run}"], tmp_path, nproc=2))
     result = result_of(run)
     assert result["world_size"] == 2
     c0, c1 = result["param_checksums"]
@@ -68,10 +68,10 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path: Path) -> None:
 
 
 def test_uneven_test_shards_with_buffers_do_not_hang(tmp_path: Path) -> None:
-    # 257 test samples: rank 0 gets one batch more than rank 1. A DDP forward in evaluation would
+    # 65 test samples in batches of 32: rank 0 gets one batch more than rank 1. A DDP forward in evaluation would
     # broadcast resnet18's BatchNorm buffers on that extra batch and wait forever for rank 1.
     run = tmp_path / "run"
-    ok(run_trainer([*SMALL, "model.name=resnet18", "data.synthetic_train_size=128", "data.synthetic_test_size=257",
+    ok(run_trainer([*SMALL, "model.name=resnet18", "data.synthetic_train_size=128", "data.synthetic_test_size=65",
                     "dist.timeout_s=60", f"run.dir={run}"], tmp_path, nproc=2, timeout=300))
     assert result_of(run)["world_size"] == 2
 
@@ -136,6 +136,7 @@ def test_torchrun_restarting_its_workers_continues_the_run(tmp_path: Path) -> No
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out and result_of(run)["outcome"] == "finished"
     assert Path(result_of(run)["resumed_from"]).name == "step_00000004.pt"
+    assert out.count("done: test accuracy") == 1 and result_of(run)["world_size"] == 2  # torchrun's env: rank 0 prints
 
 
 def _env_of(proc: Path) -> dict[str, str]:
