@@ -194,7 +194,8 @@ ENV = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, node_rank=
     (0, 4, 0, "auto", SKIP, "training runs on the CPU"),
     (0, 4, 4, "auto", FAIL, "torch sees no GPU"),
     (0, 1, 0, "cuda", FAIL, "torch sees no GPU"),
-    (2, 4, 4, "auto", FAIL, "4 processes on this node but 2 GPUs visible"),
+    (2, 4, 4, "auto", FAIL, "4 tasks on this node each see 2 of the 4 GPU(s)"),
+    (2, 4, 8, "auto", PASS, "cuda:0"),  # --gpus-per-task=2: each task's own two
     (1, 4, 4, "auto", PASS, "cuda:0"),  # Slurm's per-task binding: each task sees its own GPU
     (8, 4, 8, "auto", WARN, "4 idle"),
     (4, 4, 4, "auto", PASS, "4 visible"),

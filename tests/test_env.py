@@ -125,18 +125,24 @@ def test_tasks_per_node(spec: str, node: int, expected: int) -> None:
     assert tasks_per_node(spec, node, "SLURM_TASKS_PER_NODE") == expected
 
 
-@pytest.mark.parametrize(("gpus", "local_rank", "agent", "want", "expected"), [
-    (0, 1, True, "auto", "cpu"),
-    (2, 1, True, "auto", "cuda:1"),
-    (1, 1, False, "auto", "cuda:0"),  # srun with per-task GPU binding: each task sees only its own GPU
-    (1, 1, True, "auto", "LOCAL_RANK"),  # torchrun's 2 processes would share the one GPU: NCCL refuses that
-    (2, 2, False, "cuda", "LOCAL_RANK"),
-    (0, 0, False, "cuda", "train.device"),
-    (4, 1, True, "cpu", "cpu"),
+@pytest.mark.parametrize(("gpus", "local_rank", "agent", "on_node", "want", "expected"), [
+    (0, 1, True, 0, "auto", "cpu"),
+    (2, 1, True, 0, "auto", "cuda:1"),
+    (1, 1, False, 0, "auto", "cuda:0"),  # srun with per-task GPU binding: each task sees only its own GPU
+    (1, 1, False, 3, "auto", "cuda:0"),  # ... and Slurm says so: 3 GPUs on the node for its 3 tasks
+    (2, 2, False, 6, "auto", "cuda:0"),  # --gpus-per-task=2: each task's own two, the first trains
+    (1, 1, False, 1, "auto", "LOCAL_RANK"),  # 3 tasks, 1 GPU allocated on the node: they would share it
+    (3, 2, False, 3, "auto", "cuda:2"),  # every task sees the node's 3 GPUs (no binding): rank r takes GPU r
+    (1, 1, True, 0, "auto", "LOCAL_RANK"),  # torchrun's 2 processes would share the one GPU: NCCL refuses that
+    (2, 2, False, 0, "cuda", "LOCAL_RANK"),
+    (2, 1, False, 0, "cuda", "cuda:1"),  # not Slurm: the ranks see the same 2 GPUs, ranks 0 and 1 take one each
+    (0, 0, False, 0, "cuda", "train.device"),
+    (4, 1, True, 0, "cpu", "cpu"),
 ])
 def test_each_process_gets_a_gpu_of_its_own_or_a_clear_error(monkeypatch: pytest.MonkeyPatch, gpus: int,
-                                                              local_rank: int, agent: bool, want: str,
+                                                              local_rank: int, agent: bool, on_node: int, want: str,
                                                               expected: str) -> None:
+    """Three processes on the node; ``gpus`` visible to each; ``on_node``: SLURM_GPUS_ON_NODE (0: not Slurm)."""
     import torch
 
     from trainer.core.dist import pick_device
@@ -146,7 +152,7 @@ def test_each_process_gets_a_gpu_of_its_own_or_a_clear_error(monkeypatch: pytest
     env = DistEnv(local_rank, local_rank, 3, 3, 0, 1, "127.0.0.1", 29500, None, "torchrun", agent=agent)
     if "." in expected or expected.isupper():
         with pytest.raises(UserError) as err:
-            pick_device(env, want)
+            pick_device(env, want, on_node)
         assert err.value.field == expected and err.value.hint
     else:
-        assert str(pick_device(env, want)) == expected
+        assert str(pick_device(env, want, on_node)) == expected

@@ -18,23 +18,38 @@ from trainer.core.schema import Config
 _HOST_GROUP: Any = None
 
 
-def pick_device(env: DistEnv, want: str) -> torch.device:
-    """``cuda:LOCAL_RANK`` (or the one GPU this task sees) when CUDA is there and wanted, else the CPU."""
+def pick_device(env: DistEnv, want: str, gpus_on_node: int = 0) -> torch.device:
+    """``cuda:<gpu_index>`` when CUDA is there and wanted, else the CPU (``gpus_on_node``: SLURM_GPUS_ON_NODE)."""
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if count == 0:
+    return torch.device("cuda", gpu_index(torch.cuda.device_count(), env, gpus_on_node))
+
+
+def gpu_index(visible: int, env: DistEnv, gpus_on_node: int = 0) -> int:
+    """Which of the ``visible`` GPUs this process trains on, or a UserError naming a layout that cannot work.
+
+    Where every local rank sees the node's GPUs (torchrun's workers; srun without GPU binding), rank r takes GPU r.
+    Where a task sees fewer GPUs than there are tasks on its node, Slurm bound GPUs to tasks (--gpus-per-task,
+    --gpu-bind), each sees only its own and takes the first, unless the tasks' sets cannot all be disjoint among the
+    ``gpus_on_node`` Slurm allocated (0: not known): then two would share a GPU, which NCCL refuses mid-start-up."""
+    tasks, local = env.local_world_size, env.local_rank
+    if visible == 0:
         raise UserError("train.device", "cuda was asked for but no GPU is visible", "use train.device=cpu or auto")
-    if env.local_rank < count:
-        return torch.device("cuda", env.local_rank)
-    # Slurm's --gpus-per-task / gpu binding shows each task only its own GPU. torchrun's processes all see the same
-    # GPUs, so there a local rank past the last one would share a GPU with rank 0, which NCCL refuses.
-    if count == 1 and not env.agent:
-        return torch.device("cuda", 0)
-    raise UserError("LOCAL_RANK", f"local rank {env.local_rank} has no GPU of its own: {env.local_world_size} "
-                    f"processes on this node, {count} GPU(s) visible",
-                    f"start one process per GPU (make train NPROC={count}, torchrun --nproc-per-node={count}, Slurm: "
-                    "ntasks-per-node = gpus-per-node), or train on the CPU with train.device=cpu")
+    if env.agent or visible >= tasks or not gpus_on_node:  # every local rank sees the same GPUs, or cannot tell
+        if local < visible:
+            return local
+        if visible == 1 and not env.agent and not gpus_on_node:  # bound per task by a launcher that does not say
+            return 0
+        raise UserError("LOCAL_RANK", f"local rank {local} has no GPU of its own: {tasks} processes on this node, "
+                        f"{visible} GPU(s) visible",
+                        f"start one process per GPU (make train NPROC={visible}, torchrun --nproc-per-node={visible}, "
+                        "Slurm: ntasks-per-node = gpus-per-node), or train on the CPU with train.device=cpu")
+    if visible * tasks > gpus_on_node:  # not one set of its own per task: some GPU is seen by two tasks
+        raise UserError("LOCAL_RANK", f"{tasks} tasks on this node each see {visible} of the {gpus_on_node} GPU(s) "
+                        "Slurm allocated here: tasks would share a GPU",
+                        f"one task per GPU: --gpus-per-node={tasks} (or --gpus-per-task=1), or "
+                        f"--ntasks-per-node={gpus_on_node}; or train on the CPU with train.device=cpu")
+    return 0
 
 
 def resolve_master(env: DistEnv) -> str:

@@ -65,15 +65,17 @@ def check_gpus(cfg: Config, env: DistEnv, facts: HostFacts, info: JobInfo) -> Ch
                          "check the driver (nvidia-smi), `--nv` for apptainer / `--gpus` for docker, "
                          "and that the torch wheel is a CUDA build")
         return Check("gpus", SKIP, f"no GPU ({cvd}): training runs on the CPU")
+    from trainer.core.dist import gpu_index
+
     tasks = env.local_world_size
-    if tasks > count and count != 1:  # one visible GPU per task is Slurm's per-task binding: fine
-        return Check("gpus", FAIL, f"{tasks} processes on this node but {count} GPUs visible ({cvd})",
-                     "start one process per GPU: ntasks-per-node = gpus-per-node (profile tasks_per_node: 0)")
+    try:  # the trainer's own choice, from the same facts
+        index = gpu_index(count, env, info.gpus_on_node)
+    except UserError as err:
+        return Check("gpus", FAIL, f"{err.message} ({cvd})", err.hint)
     if count > tasks:
         return Check("gpus", WARN, f"{count} GPUs visible, {tasks} processes on this node: {count - tasks} idle ({cvd})",
                      "raise tasks per node to the GPU count, or allocate fewer GPUs")
-    return Check("gpus", PASS, f"{count} visible, local rank {env.local_rank} → cuda:{env.local_rank if count > 1 else 0}"
-                 f" ({cvd})")
+    return Check("gpus", PASS, f"{count} visible, local rank {env.local_rank} → cuda:{index} ({cvd})")
 
 
 def check_model_memory(cfg: Config, env: DistEnv) -> Check:

@@ -174,7 +174,7 @@ def _start_group(cfg: Config, env: DistEnv, checks: list[Check],
 
     debug_dir = None
     try:
-        device = tdist.pick_device(env, cfg.train.device)
+        device = tdist.pick_device(env, cfg.train.device, job_info().gpus_on_node)
         if device.type == "cuda":
             # NCCL reads these at start-up; this process exists only to check, so it may set them for itself.
             debug_dir = Path(tempfile.mkdtemp(prefix="doctor-nccl-"))

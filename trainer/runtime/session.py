@@ -69,8 +69,8 @@ class Session:
         self.config_dict = to_dict(self.cfg)
         self.env = discover()
         faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
-        self.device = tdist.pick_device(self.env, self.cfg.train.device)
         self.job = job_info()
+        self.device = tdist.pick_device(self.env, self.cfg.train.device, self.job.gpus_on_node)
         # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
         warning = self.job.warning_signal or ""
         warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
