@@ -42,6 +42,7 @@ HOSTS_TAG="# slurm-ddp-dev-cluster ${STATE}"
 
 # Paths inside the state folder. Unix socket paths must stay short (108 bytes).
 CONF="$STATE/slurm.conf"
+GPUS=4  # fake GPUs per node (files named in gres.conf)
 DBD_CONF="$STATE/slurmdbd.conf"
 PORTS_FILE="$STATE/ports"
 HOSTS_FILE="$STATE/hosts"
@@ -229,12 +230,21 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$dbd_port
 AccountingStoragePass=$MUNGE_SOCK
 
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n1_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n2_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
-NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n3_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
+# Four GPUs per node that are files (gres.conf): Slurm allocates, binds and exports them (CUDA_VISIBLE_DEVICES,
+# SLURM_STEP_GPUS, SLURM_JOB_GPUS) as at a site, so placement is tested against what Slurm really gives a task.
+GresTypes=gpu
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n1_port CPUs=$cpus RealMemory=$mem Gres=gpu:$GPUS State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n2_port CPUs=$cpus RealMemory=$mem Gres=gpu:$GPUS State=UNKNOWN
+NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n3_port CPUs=$cpus RealMemory=$mem Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=dev Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP
 EOF
     : >"$STATE/plugstack.conf"  # keeps the machine's /etc/slurm/plugstack.conf out of our jobs
+    # No NVML here: the devices are listed, not detected, and each slurmd reads the line of its own node name. Slurm
+    # wants character devices ("not a valid character or block device" for files) and takes the index from the
+    # name; nothing opens them (no device cgroup: TaskPlugin=task/none), so they carry the NVIDIA driver's numbers.
+    mkdir -p "$STATE/dev"
+    for ((i = 0; i < GPUS; i++)); do [[ -c "$STATE/dev/nvidia$i" ]] || mknod "$STATE/dev/nvidia$i" c 195 "$i"; done
+    printf 'AutoDetect=off\nNodeName=n[1-3] Name=gpu File=%s/dev/nvidia[0-%d]\n' "$STATE" $((GPUS - 1)) >"$STATE/gres.conf"
 
     # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF; it refuses a readable one.
     (
