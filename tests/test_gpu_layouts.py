@@ -54,10 +54,16 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
+def written(out: Path) -> list[dict[str, Any]]:
+    """The tasks' environments written so far (srun makes a task's file before the task writes its line)."""
+    lines = (p.read_text() for p in out.glob("task-*"))
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
 def tasks_of(out: Path, job: str, env: dict[str, str]) -> list[dict[str, Any]]:
     wait_for(lambda: sh(["squeue", "-h", "-j", job], env).stdout.strip() == "", 120, f"job {job} to end")
-    tasks = [json.loads(p.read_text()) for p in out.glob("task-*")]
-    assert tasks, (out / "job.log").read_text()
+    tasks = written(out)
+    assert tasks and len(tasks) == len(list(out.glob("task-*"))), (out / "job.log").read_text()
     return sorted(tasks, key=lambda t: int(t["SLURM_PROCID"]))
 
 
@@ -104,8 +110,8 @@ def test_every_layout_gives_each_rank_a_gpu_of_its_own_or_is_refused(slurm_env: 
     hold, one = tmp_path / "release", ["-N1", "--ntasks=1", "--gpus-per-node=2"]
     first = submit(slurm_env, one, tmp_path / "a.out", hold)
     try:
-        wait_for(lambda: any((tmp_path / "a.out").glob("task-*")), 120, "the first job")
-        node = json.loads(next((tmp_path / "a.out").glob("task-*")).read_text())["SLURMD_NODENAME"]  # Slurm's choice
+        wait_for(lambda: written(tmp_path / "a.out"), 120, "the first job's task")
+        node = written(tmp_path / "a.out")[0]["SLURMD_NODENAME"]  # Slurm's choice
         second = submit(slurm_env, [*one, "-w", node], tmp_path / "b.out")
         shared = tasks_of(tmp_path / "b.out", second, slurm_env)
     finally:
