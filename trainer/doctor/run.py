@@ -122,7 +122,7 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
 
     if faults.install().doctor_fails(host, env.rank):
         checks.append(Check("fault", FAIL, f"injected on {host} (TRAINER_FAULTS doctor_fail_node or _rank)", ""))
-    code = _checked(cfg, env, checks, host)
+    code = _checked(cfg, env, checks, host, info.gpus_on_node)
     _record(env.rank, host, checks, code)
     return code
 
@@ -148,11 +148,11 @@ def _record(rank: int, host: str, checks: list[Check], code: int) -> None:
     exits.ended(code, info, phase="doctor", rank=rank)
 
 
-def _checked(cfg: Config, env: DistEnv, checks: list[Check], host: str) -> int:
+def _checked(cfg: Config, env: DistEnv, checks: list[Check], host: str, gpus_on_node: int) -> int:
     """The collective part of :func:`run`: 0 when every check passed on every rank, else 1."""
     from trainer.core import dist as tdist
 
-    started = _start_group(cfg, env, checks, host)
+    started = _start_group(cfg, env, checks, host, gpus_on_node)
     if started is None:
         return report_alone(checks, env, host, "no process group")
     device, debug_dir = started
@@ -167,14 +167,14 @@ def _checked(cfg: Config, env: DistEnv, checks: list[Check], host: str) -> int:
     return EXIT_FAILED if any(r.status == FAIL for r in rows) else 0
 
 
-def _start_group(cfg: Config, env: DistEnv, checks: list[Check],
-                 host: str) -> tuple[torch.device, Path | None] | None:
+def _start_group(cfg: Config, env: DistEnv, checks: list[Check], host: str,
+                 gpus_on_node: int) -> tuple[torch.device, Path | None] | None:
     """The device and the process group (NCCL's debug log on GPUs); None, with a failed row added, when it fails."""
     from trainer.core import dist as tdist
 
     debug_dir = None
     try:
-        device = tdist.pick_device(env, cfg.train.device, job_info().gpus_on_node)
+        device = tdist.pick_device(env, cfg.train.device, gpus_on_node)
         if device.type == "cuda":
             # NCCL reads these at start-up; this process exists only to check, so it may set them for itself.
             debug_dir = Path(tempfile.mkdtemp(prefix="doctor-nccl-"))
