@@ -96,7 +96,8 @@ def test_char_lm_on_a_gpu_resumes_bit_identically_after_a_preemption(tmp_path: P
 @needs_1_gpu
 def test_two_processes_on_one_gpu_stop_at_once_with_the_cause(tmp_path: Path) -> None:
     """torchrun's two processes on a one-GPU machine (make train NPROC=2), and two srun tasks that both see the one
-    GPU: NCCL refuses two ranks on one GPU; the error says so instead of blaming the rendezvous port."""
+    GPU: NCCL refuses two ranks on one GPU; the error says so instead of blaming the rendezvous port. Where Slurm says
+    it gave the node one GPU (SLURM_GPUS_ON_NODE), the layout is refused before NCCL starts."""
     proc = run_trainer([*SMALL, f"run.dir={tmp_path / 'a'}", "train.device=cuda"], tmp_path, nproc=2, torchrun=True)
     assert proc.returncode != 0
     assert "error: LOCAL_RANK: local rank 1 has no GPU of its own: 2 processes on this node, 1 GPU(s)" in proc.stderr
@@ -107,6 +108,14 @@ def test_two_processes_on_one_gpu_stop_at_once_with_the_cause(tmp_path: Path) ->
     assert 2 in [p.returncode for p in ranks], outs
     assert "error: dist.backend:" in errors and "NCCL could not start on cuda:0" in errors, errors[-3000:]
     assert "MASTER_PORT" not in errors
+    # Slurm says how many GPUs it gave the node: two tasks that each see its one GPU are refused before NCCL starts
+    ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'c'}", "train.device=cuda"], tmp_path, split=True,
+                        env={"SLURM_GPUS_ON_NODE": "1"})
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], outs
+    errors = "".join(err for _, err in outs)
+    assert "2 tasks on this node each see 1 of the 1 GPU(s) Slurm allocated here: tasks would share a GPU" in errors
+    assert "HINT: one task per GPU: --gpus-per-node=2" in errors and "NCCL" not in errors, errors[-3000:]
 
 
 @needs_gpu

@@ -155,11 +155,12 @@ class Meter:
     def take(self, step: int) -> float:
         """Own seconds per step since the last call; 0 on the first (no window yet) and for a window with an
         evaluation or a save in it (the detector skips it)."""
+        span, first, skip, self.last_step, self.skip = step - self.last_step, self.last_step < 0, self.skip, step, False
         if self.gpu:
             done = [p for p in self.pending if p[1].query()]
-            self.pending = [p for p in self.pending if p not in done]
+            # a step still running on the GPU counts in the next window, unless this one is dropped: then it goes too
+            self.pending = [] if first or skip else [p for p in self.pending if p not in done]
             self.seconds += sum(s.elapsed_time(e) for s, e in done) / 1000
-        span, first, skip, self.last_step, self.skip = step - self.last_step, self.last_step < 0, self.skip, step, False
         per_step, self.seconds = 0.0 if first or skip or span <= 0 else self.seconds / span, 0.0
         return per_step
 
