@@ -139,7 +139,8 @@ def trainer_vs_bare(repeats: int, size: int, tmp: Path) -> dict[str, Any]:
         rows.append({"batch": batch, "trainer_samples_per_s": spread([t["train_samples_per_s"] for t, _ in done]),
                      "bare_samples_per_s": spread([b["train_samples_per_s"] for _, b in done]),
                      "trainer_vs_bare": spread([t["train_samples_per_s"] / b["train_samples_per_s"] for t, b in done]),
-                     "launch_s": spread([t["launch_to_first_step_s"] for t, _ in done])})
+                     "launch_s": spread([t["launch_to_first_step_s"] for t, _ in done]),
+                     "bare_launch_s": spread([b["launch_to_first_step_s"] for _, b in done])})
     return {"rows": rows}
 
 
@@ -182,11 +183,11 @@ def bare_section(t: dict[str, Any]) -> list[str]:
     if "skipped" in t:
         return [f"- Trainer vs bare loop on one GPU: skipped ({t['skipped']}).", ""]
     out = ["Trainer vs the bare loop (section 1's model and data), one process on one GPU, interleaved pairs:", "",
-           "| batch | trainer samples/s | bare samples/s | trainer / bare | per pair | trainer launch → first step (s) |",
-           "|---|---|---|---|---|---|"]
+           "| batch | trainer samples/s | bare samples/s | trainer / bare | per pair | launch → first step (s): trainer "
+           "| bare |", "|---|---|---|---|---|---|---|"]
     out += [f"| {w['batch']} | {w['trainer_samples_per_s']['median']:.0f} | {w['bare_samples_per_s']['median']:.0f} | "
-            f"**{show(w['trainer_vs_bare'])}** | {each(w['trainer_vs_bare'])} | {show(w['launch_s'], '{:.2f}')} |"
-            for w in t["rows"]]
+            f"**{show(w['trainer_vs_bare'])}** | {each(w['trainer_vs_bare'])} | {show(w['launch_s'], '{:.2f}')} | "
+            f"{show(w['bare_launch_s'], '{:.2f}') if 'bare_launch_s' in w else '–'} |" for w in t["rows"]]
     return out + [""]
 
 
@@ -230,10 +231,14 @@ def stored(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, Any]:
-    """Every GPU row, each part kept in ``out``/benchmarks-gpu.json as it ends (a run cut short keeps what it measured)."""
-    results: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                               "command": f"python -m benchmarks.gpu --repeats {repeats}"}
+PARTS = ("lm", "precision", "trainer_vs_bare", "checkpoint", "dp_vs_ddp")
+
+
+def measure(repeats: int, size: int, tmp: Path | None, out: Path, only: tuple[str, ...] = PARTS) -> dict[str, Any]:
+    """The GPU rows of the parts named in ``only``, each kept in ``out``/benchmarks-gpu.json as it ends (a run cut
+    short keeps what it measured)."""
+    command = f"python -m benchmarks.gpu --repeats {repeats}" + (f" --parts {','.join(only)}" if only != PARTS else "")
+    results: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "command": command}
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=tmp) as t:
         parts = (("lm", lambda: lm_rows(repeats + 2, False)),
@@ -242,6 +247,8 @@ def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, A
                  ("checkpoint", lambda: checkpoints(repeats, Path(t))),
                  ("dp_vs_ddp", lambda: dp_vs_ddp(repeats, size, Path(t))))
         for key, run in parts:
+            if key not in only:
+                continue
             started = time.perf_counter()
             results[key] = run()
             print(f"{key}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -252,14 +259,21 @@ def measure(repeats: int, size: int, tmp: Path | None, out: Path) -> dict[str, A
 def main() -> int:
     parser = argparse.ArgumentParser(description="Section 4 of docs/benchmarks.md, measured on this machine's GPU.")
     parser.add_argument("--repeats", type=int, default=3, help="pairs per comparison")
-    parser.add_argument("--train-size", type=int, default=8192)
+    parser.add_argument("--train-size", type=int, default=65536,
+                        help="samples per run of trainer vs bare: 8192 made 32 steps at batch 256, a fraction of a second")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     a = parser.parse_args()
+    only = tuple(x for x in a.parts.split(",") if x)
+    if not only or set(only) - set(PARTS):
+        print(f"error: --parts: {a.parts!r} names no part or an unknown one\nHINT: choose from {','.join(PARTS)}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: GPU: torch sees no CUDA GPU on this machine\nHINT: run it where torch.cuda.is_available() is true",
               file=sys.stderr)
         return 2
-    results = measure(a.repeats, a.train_size, None, a.out)
+    results = measure(a.repeats, a.train_size, None, a.out, only)
     publish(a.out, None, results, section(results))  # measure() kept benchmarks-gpu.json
     return 0
 
