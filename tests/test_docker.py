@@ -61,6 +61,10 @@ def test_image_keeps_the_base_torch_and_runs_as_a_user(image: str, engine_env: d
     version, uid = out.stdout.split()
     assert version.startswith("2.13.0") and "+cpu" in version  # the base's torch, not a PyPI replacement
     assert uid == "1000"
+    # its user cannot write torch's folder: every start must find torch's bytecode compiled when the image was built
+    row = docker(["run", "--rm", "-e", "PYTHONDONTWRITEBYTECODE=1", "--entrypoint", "python3", image, "-c",
+                  "from trainer.doctor.checks import check_bytecode; print(check_bytecode())"], engine_env, timeout=120)
+    assert "status='PASS'" in row.stdout and "cached bytecode" in row.stdout, row.stdout + row.stderr
 
 
 def test_training_inside_the_image(image: str, engine_env: dict[str, str], tmp_path: Path) -> None:

@@ -12,7 +12,18 @@ import pytest
 
 from trainer.core.config import load
 from trainer.core.env import DistEnv, HostFacts, JobInfo
-from trainer.doctor.checks import FAIL, PASS, SKIP, WARN, Check, check_gpus, container_spec, shared_gpus
+from trainer.doctor.checks import (
+    BYTECODE_PROBE,
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Check,
+    check_bytecode,
+    check_gpus,
+    container_spec,
+    shared_gpus,
+)
 from trainer.doctor.run import describe, main, merge, render, worst_exit
 
 from . import warm
@@ -171,6 +182,27 @@ def test_worst_exit(codes: list[int], exit_code: int) -> None:
 ])
 def test_shared_gpus(seen: list[tuple[str, str | None]], shared: dict[int, list[int]]) -> None:
     assert shared_gpus(seen) == shared
+
+
+@pytest.mark.parametrize(("cached", "dont_write", "status", "words"), [
+    (True, True, PASS, "start from cached bytecode"),
+    (True, False, PASS, "start from cached bytecode"),
+    (False, False, PASS, "the first start keeps it"),
+    (False, True, WARN, "no cached bytecode for torch and PYTHONDONTWRITEBYTECODE is set: every start compiles"),
+])
+def test_bytecode_row(tmp_path: Path, cached: bool, dont_write: bool, status: str, words: str) -> None:
+    """A torch folder on disk, its probe module compiled or not: the row says whether every start compiles it again."""
+    import py_compile
+
+    source = tmp_path.joinpath("torch", *BYTECODE_PROBE)
+    source.parent.mkdir(parents=True)
+    source.write_text("X = 1\n")
+    if cached:
+        py_compile.compile(str(source), doraise=True)
+    row = check_bytecode(tmp_path / "torch", dont_write)
+    assert (row.status, row.name) == (status, "bytecode") and words in row.detail, row
+    assert (f"python -m compileall -q -j 0 {tmp_path / 'torch'}" in row.hint) == (status == WARN)
+    assert check_bytecode(tmp_path / "elsewhere", dont_write).status == SKIP  # a torch laid out otherwise: no guess
 
 
 @pytest.mark.parametrize(("exc", "text"), [

@@ -34,6 +34,7 @@ from trainer.doctor.checks import (
     WARN,
     Check,
     check_all_reduce,
+    check_bytecode,
     check_container,
     check_gpus,
     check_master,
@@ -115,8 +116,8 @@ def run(args: list[str], container: str | None = None, timeout_s: float = 60.0) 
     cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, timeout_s=min(cfg.dist.timeout_s, timeout_s)))
     env, facts, info = discover(), host_facts(), job_info()
     host = facts.node
-    checks = [check_versions(), check_gpus(cfg, env, facts, info), check_model_memory(cfg, env), check_master(env),
-              check_scontrol(env, facts),
+    checks = [check_versions(), check_bytecode(), check_gpus(cfg, env, facts, info), check_model_memory(cfg, env),
+              check_master(env), check_scontrol(env, facts),
               check_tracking(cfg, info=info, env=env), check_container(container, facts)]
     from trainer.testing import faults  # here: it loads torch, which `--help` and bad arguments never need
 
