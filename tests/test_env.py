@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from trainer.core.dist import cpu_threads
 from trainer.core.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
 from trainer.core.errors import UserError
+
+from .conftest import SMALL, spawn_ranks
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
@@ -156,3 +160,31 @@ def test_each_process_gets_a_gpu_of_its_own_or_a_clear_error(monkeypatch: pytest
         assert err.value.field == expected and err.value.hint
     else:
         assert str(pick_device(env, want, on_node)) == expected
+
+
+def _local(tasks: int) -> DistEnv:
+    return DistEnv(0, 0, tasks, tasks, 0, 1, "127.0.0.1", 29500, None, "slurm")
+
+
+@pytest.mark.parametrize(("tasks", "allowed", "node", "omp", "threads"), [
+    (8, 16, 128, None, 16),  # bound to its own 16 CPUs (--cpu-bind=cores): all of them
+    (8, 128, 128, None, 16),  # unbound: the node's CPUs shared by its 8 ranks (torch alone: 128 each)
+    (1, 128, 128, None, 128),
+    (4, 2, 2, None, 1),  # more ranks than CPUs: one thread each, never 0
+    (3, 8, 8, None, 2),
+    (8, 128, 128, "4", None),  # OMP_NUM_THREADS decides (torch reads it)
+    (8, 128, 128, "", 16),  # set but empty: not a decision
+])
+def test_cpu_threads(tasks: int, allowed: int, node: int, omp: str | None, threads: int | None) -> None:
+    assert cpu_threads(_local(tasks), allowed, node, omp) == threads
+
+
+def test_unbound_ranks_share_the_nodes_cpus(tmp_path: Path) -> None:
+    """Two ranks that see every CPU and no OMP_NUM_THREADS: each runs its share of the node's CPUs (the attempt
+    event records rank 0's), where torch alone would give each every core."""
+    run = tmp_path / "run"
+    ranks = spawn_ranks([*SMALL, f"run.dir={run}", "run.report=false"], tmp_path, env={"OMP_NUM_THREADS": ""})
+    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    attempt = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "attempt")
+    assert attempt["cpu_threads"] == max(1, (os.cpu_count() or 1) // 2), attempt

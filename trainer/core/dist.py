@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -23,6 +24,26 @@ def pick_device(env: DistEnv, want: str, gpus_on_node: int = 0) -> torch.device:
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", gpu_index(torch.cuda.device_count(), env, gpus_on_node))
+
+
+def cpu_threads(env: DistEnv, allowed: int, node_cpus: int, omp: str | None) -> int | None:
+    """torch's intra-op threads for this rank, or None where OMP_NUM_THREADS decides (torch reads it itself).
+
+    A rank bound to fewer CPUs than the node has (Slurm's --cpu-bind, taskset) runs on all of its own; ranks that
+    see the whole node share it among the local ranks: torch alone would give each every core, so 8 ranks of a
+    128-core node ran 128 threads each. Loader workers inherit the rank's CPU set and run one thread each."""
+    if omp:
+        return None
+    if allowed < node_cpus:
+        return max(1, allowed)
+    return max(1, node_cpus // max(1, env.local_world_size))
+
+
+def use_cpu_threads(env: DistEnv) -> None:
+    """Set torch's intra-op threads as :func:`cpu_threads` decides from this process's CPU set."""
+    threads = cpu_threads(env, len(os.sched_getaffinity(0)), os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS"))
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def gpu_index(visible: int, env: DistEnv, gpus_on_node: int = 0) -> int:

@@ -71,6 +71,7 @@ class Session:
         faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
         self.job = job_info()
         self.device = tdist.pick_device(self.env, self.cfg.train.device, self.job.gpus_on_node)
+        tdist.use_cpu_threads(self.env)
         # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
         warning = self.job.warning_signal or ""
         warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
@@ -214,7 +215,8 @@ class Session:
         compile_cache.keep_in(p.run.path)  # before the first forward compiles anything
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
-                                                                 strategy=self.cfg.dist.strategy, **p.restored.facts))
+                                                                 strategy=self.cfg.dist.strategy,
+                                                                 cpu_threads=torch.get_num_threads(), **p.restored.facts))
         p.saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
             held = " (a snapshot in node memory)" if self.resumed.memory else ""
