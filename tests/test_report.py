@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 
 from trainer.core.events import read
-from trainer.runtime.records.attempts import PHASES, attempts, describe_recovery, figures
+from trainer.runtime.records.attempts import PHASES, attempts, describe_recovery, figures, startup_lines
 
 from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer
 from .test_tracking import run_files
@@ -72,6 +72,33 @@ def test_a_recovery_is_broken_down_by_phase(three_attempts: Path) -> None:
     assert line.startswith("recovery after attempt 2") and "restore" in line and "from disk" in line
     assert line in subprocess.run([sys.executable, "-m", "trainer.report", str(three_attempts)], capture_output=True,
                                   text=True, env=clean_env()).stdout
+
+
+def test_each_start_up_is_broken_down_by_phase(three_attempts: Path) -> None:
+    """Every attempt event splits its start so far into phases that add up to it (the process's start is known to
+    the second), and the summary gives the first attempt's with its first step."""
+    runs = attempts(three_attempts)
+    for a in runs:
+        phases = a.info["startup"]
+        assert set(phases) == {"imports_s", "group_s", "model_s", "restore_s"} and min(phases.values()) >= 0, phases
+        assert sum(phases.values()) == pytest.approx(a.info["t"] - a.info["started"], abs=1.0)
+    (line,) = startup_lines(runs)[:1]
+    assert line.startswith("start-up of attempt 1: ") and "imports" in line and "first step" in line
+    assert line in figures(runs)["startup"]
+
+
+@pytest.mark.parametrize(("imports", "hint"), [(8.0, True), (4.0, False), (5.5, False)])
+def test_slow_imports_point_at_the_doctor(tmp_path: Path, imports: float, hint: bool) -> None:
+    """Imports of 5 s and more that are most of a start-up get the pointer (the H200 machine's: 10 s of 11)."""
+    phases = {"imports_s": imports, "group_s": 0.5, "model_s": 4.0, "restore_s": 0.5}
+    events = [{"t": 20.0, "event": "attempt", "started": 9.0, "nodes": 1, "resumed_step": 0, "startup": phases},
+              {"t": 21.0, "event": "first_step", "step": 1}, {"t": 30.0, "event": "exit", "code": 0, "step": 9}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (line,) = startup_lines(attempts(tmp_path))
+    total = imports + 5.0 + 1.0
+    assert line.startswith(f"start-up of attempt 1: {total:.1f} s to the first step (imports {imports:.1f}, "
+                           "process group 0.5, model and data 4.0, restore 0.5, first step 1.0)")
+    assert ("trainer.doctor" in line) == hint
 
 
 def test_a_sigkilled_attempt_leaves_only_whole_lines(three_attempts: Path) -> None:

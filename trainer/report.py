@@ -47,7 +47,7 @@ def table(f: dict[str, Any]) -> str:
         lines.append(f"processes per attempt: {' → '.join(sizes)}")
     lines += [f"attempt {r['attempt']}: {r['ended']}: {r['cause']}" for r in f["attempts"]
               if r["cause"] and r["ended"] != "finished"]
-    lines += [describe_recovery(r) for r in f["recoveries"]] + f["audits"]
+    lines += f.get("startup", []) + [describe_recovery(r) for r in f["recoveries"]] + f["audits"]
     return "\n".join(lines)
 
 

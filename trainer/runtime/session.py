@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -64,6 +65,7 @@ class Session:
     """One process's share of a job: from the environment and a config (``key=value`` overrides or a Config)."""
 
     def __init__(self, config: Config | list[str] | None = None, extra_config: Mapping[str, Any] | None = None) -> None:
+        opened = time.time()  # the interpreter, the imports and the user's code before the session end here
         self.cfg = config if isinstance(config, Config) else load(list(config or []))
         self.extra_config = dict(extra_config or {})
         self.config_dict = to_dict(self.cfg)
@@ -81,6 +83,7 @@ class Session:
         self._attributes()
         exits.started(self.env.rank)  # a rank that never records its end was killed (the verdict reads these)
         tdist.setup(self.env, self.cfg, self.device)
+        self.marks = (opened, time.time())  # (opened, process group up): the attempt event's start-up phases
         try:  # from here on a failure must not leave the process group behind
             self.preemption = Preemption(self.signals)
             torch.manual_seed(self.cfg.train.seed)
@@ -216,7 +219,8 @@ class Session:
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
                                                                  strategy=self.cfg.dist.strategy,
-                                                                 cpu_threads=torch.get_num_threads(), **p.restored.facts))
+                                                                 cpu_threads=torch.get_num_threads(), marks=self.marks,
+                                                                 **p.restored.facts))
         p.saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
             held = " (a snapshot in node memory)" if self.resumed.memory else ""

@@ -9,6 +9,7 @@ less the steps the next attempt had to compute again (those after the last check
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -122,7 +123,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
             "recovery_s": recovery(rows), "recoveries": recoveries(runs), "cadence": cadence(runs, rows),
-            "audits": audit_lines(runs),
+            "audits": audit_lines(runs), "startup": startup_lines(runs[:1]),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
 
@@ -173,6 +174,27 @@ def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
     return out
 
 
+SLOW_IMPORTS_S = 5.0
+"""Imports past this, and most of a start-up, get a pointer to the doctor's bytecode row."""
+
+
+def startup_lines(runs: list[Attempt]) -> list[str]:
+    """One line per attempt given: its start to its first step, by phase (the attempt event's ``startup``)."""
+    out = []
+    for i, a in enumerate(runs, start=1):
+        phases = a.info.get("startup")
+        if not phases or not a.first_step_t:
+            continue
+        first = max(0.0, a.first_step_t - float(a.info["t"]))
+        total = sum(phases.values()) + first
+        why = (" (mostly imports: `python -m trainer.doctor` says whether torch compiles its sources at every start)"
+               if phases["imports_s"] >= max(SLOW_IMPORTS_S, total / 2) else "")
+        out.append(f"start-up of attempt {i}: {total:.1f} s to the first step (imports {phases['imports_s']:.1f}, "
+                   f"process group {phases['group_s']:.1f}, model and data {phases['model_s']:.1f}, restore "
+                   f"{phases['restore_s']:.1f}, first step {first:.1f}){why}")
+    return out
+
+
 def describe_recovery(r: dict[str, Any]) -> str:
     """One line: a recovery's time to the next first step, by phase, and what it restored and recomputed."""
     parts = ", ".join(f"{k.replace('_', ' ')} {r[k]:.1f}" + (f" from {r['restored_from']}" if k == "restore" and
@@ -219,8 +241,19 @@ def summary(f: dict[str, Any]) -> dict[str, float]:
             "recoveries": len(f["recoveries"]), **phases}
 
 
-def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, **more: Any) -> dict[str, Any]:
-    """The facts an ``attempt`` event records: when and where this start of the job runs, and what it continues."""
+def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, marks: tuple[float, float],
+            **more: Any) -> dict[str, Any]:
+    """The facts an ``attempt`` event records: when and where this start of the job runs, what it continues, and
+    its start-up so far by phase (``marks``: when the session opened and when its process group was up)."""
     return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count, attempt=attempt_id(),
                 array_job_id=job.array_job_id, array_task_id=job.array_task_id, nodes=env.num_nodes,
-                processes=env.world_size, resumed_step=resumed_step, **more, git=git_commit(Path.cwd()), **versions())
+                processes=env.world_size, resumed_step=resumed_step, **more,
+                startup=phases(started_at, *marks, time.time(), float(more.get("restore_s") or 0.0)),
+                git=git_commit(Path.cwd()), **versions())
+
+
+def phases(started_at: float, opened: float, grouped: float, now: float, restore_s: float) -> dict[str, float]:
+    """Seconds from the process's start (whole seconds of the kernel's boot time: ±1 s) to the session opening
+    (interpreter, imports, the user's code before it), the process group, model and data, and the restore."""
+    return {"imports_s": round(max(0.0, opened - started_at), 3), "group_s": round(grouped - opened, 3),
+            "model_s": round(max(0.0, now - restore_s - grouped), 3), "restore_s": round(restore_s, 3)}
