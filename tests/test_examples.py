@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,21 @@ def test_next_token_example_trains_on_two_processes_and_its_loss_falls(tmp_path:
     assert result["test_loss"] < 3.5 < math.log(256), proc.stdout
     assert result["test_accuracy"] > 0.15 and result["test_bits_per_byte"] == pytest.approx(result["test_loss"] / math.log(2))
     assert result["plugins"]["model"]["target"] == "seqtask.nets:TinyTransformer"
+
+
+def test_next_token_example_trains_on_byte_shards_through_the_built_in_trainer(tmp_path: Path) -> None:
+    """The same config on token files (make_shards.py, read by Shards + Tokens) on two processes: the loss falls
+    and the run records the shards it read."""
+    shards, run = tmp_path / "bytes", tmp_path / "run"
+    ok(subprocess.run([sys.executable, str(ROOT / "examples" / "char_lm" / "make_shards.py"), str(shards), "--shards",
+                       "2", "--shard-bytes", "60000"], capture_output=True, text=True, timeout=60))
+    proc = ok(run_trainer(["config=examples/own_code/next_token.yaml", "tracking.mode=disabled", "run.report=false",
+                           "train.max_steps=40", "train.eval_every=0", f"data.kwargs.shards={shards}",
+                           f"run.dir={run}"], ROOT, nproc=2))
+    result = result_of(run)
+    assert len(set(result["param_checksums"])) == 1
+    assert result["test_loss"] < 3.5 < math.log(256), proc.stdout
+    assert result["plugins"]["data"]["kwargs"]["shards"] == str(shards)
 
 
 def _one_step(args: list[str]) -> float:
