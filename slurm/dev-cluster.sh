@@ -239,6 +239,9 @@ NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n3_port CPUs=$cpus R
 PartitionName=dev Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP
 EOF
     : >"$STATE/plugstack.conf"  # keeps the machine's /etc/slurm/plugstack.conf out of our jobs
+    if pyxis; then  # built for this machine's Slurm (containers/pyxis.sh): srun --container-image
+        echo "required $PYXIS_DIR/lib/spank_pyxis.so runtime_path=$STATE/pyxis" >"$STATE/plugstack.conf"
+    fi
     # No NVML here: the devices are listed, not detected, and each slurmd reads the line of its own node name. Slurm
     # wants character devices ("not a valid character or block device" for files) and takes the index from the
     # name; nothing opens them (no device cgroup: TaskPlugin=task/none), so they carry the NVIDIA driver's numbers.
@@ -374,6 +377,22 @@ start_slurmdbd() {
     wait_for 30 slurmdbd run sacctmgr -n list cluster || return 1
 }
 
+# Pyxis and enroot, where containers/pyxis.sh built them: for this machine's Slurm only (a SPANK plugin is built
+# against one version's headers), so not in the clusters of another version's root.
+PYXIS_DIR="$(realpath -m -- "${PYXIS_DIR:-${TMPDIR:-/tmp}/slurm-ddp-pyxis}")"
+pyxis() { [[ -z "${ROOT_SUITE:-}" && -f "$PYXIS_DIR/lib/spank_pyxis.so" && -x "$PYXIS_DIR/bin/enroot" ]]; }
+
+# The folder of node $1's `enroot`: pyxis runs enroot from the PATH (the one variable it keeps of slurmstepd's), and
+# the three nodes share one machine, so each node's enroot keeps its containers in folders of its own.
+enroot_of() {
+    local dir="$STATE/enroot/$1"
+    mkdir -p "$dir/bin" "$STATE/enroot/cache" "$STATE/enroot/tmp"
+    printf '#!/bin/sh\nexport ENROOT_DATA_PATH=%q ENROOT_RUNTIME_PATH=%q ENROOT_CACHE_PATH=%q ENROOT_TEMP_PATH=%q\nexec %q "$@"\n' \
+        "$dir/data" "$dir/run" "$STATE/enroot/cache" "$STATE/enroot/tmp" "$PYXIS_DIR/bin/enroot" >"$dir/bin/enroot"
+    chmod 755 "$dir/bin/enroot"
+    echo "$dir/bin"
+}
+
 start_slurmctld() {
     # -i: ignore state files from an older cluster in this folder (there are none after "down").
     spawn "$LOG_DIR/slurmctld.out" slurmctld -f "$CONF" -i
@@ -384,7 +403,11 @@ start_slurmd() {
     local node
     for node in "${NODES[@]}"; do
         mkdir -p "$SPOOL/$node"
-        spawn "$LOG_DIR/$node.out" slurmd -f "$CONF" -N "$node"
+        if pyxis; then
+            spawn "$LOG_DIR/$node.out" env PATH="$(enroot_of "$node"):$PYXIS_DIR/bin:$PATH" slurmd -f "$CONF" -N "$node"
+        else
+            spawn "$LOG_DIR/$node.out" slurmd -f "$CONF" -N "$node"
+        fi
     done
     wait_for 30 "nodes ${NODES[*]} to be idle" nodes_idle || return 1
 }
