@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from trainer.core.dist import cpu_threads
 from trainer.core.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
 from trainer.core.errors import UserError
 
-from .conftest import SMALL, spawn_ranks
+from .conftest import SMALL, clean_env, spawn_ranks
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
@@ -188,3 +189,14 @@ def test_unbound_ranks_share_the_nodes_cpus(tmp_path: Path) -> None:
     assert [p.returncode for p in ranks] == [0, 0], outs
     attempt = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "attempt")
     assert attempt["cpu_threads"] == max(1, (os.cpu_count() or 1) // 2), attempt
+
+
+def test_a_thread_count_the_users_code_set_stands(tmp_path: Path) -> None:
+    """An own loop that chose its threads before the session keeps them (one rank on this machine would get all)."""
+    code = ("import torch, trainer\ntorch.set_num_threads(1)\nsess = trainer.Session(['tracking.mode=disabled'])\n"
+            "print('threads', torch.get_num_threads(), flush=True)\n")
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert "threads 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]

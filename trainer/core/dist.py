@@ -40,9 +40,11 @@ def cpu_threads(env: DistEnv, allowed: int, node_cpus: int, omp: str | None) -> 
 
 
 def use_cpu_threads(env: DistEnv) -> None:
-    """Set torch's intra-op threads as :func:`cpu_threads` decides from this process's CPU set."""
-    threads = cpu_threads(env, len(os.sched_getaffinity(0)), os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS"))
-    if threads:
+    """Set torch's intra-op threads as :func:`cpu_threads` decides from this process's CPU set, where torch still has
+    its own default (every CPU of the set): a count the user's code set before the session stands."""
+    allowed = len(os.sched_getaffinity(0))
+    threads = cpu_threads(env, allowed, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS"))
+    if threads and torch.get_num_threads() == allowed:
         torch.set_num_threads(threads)
 
 
