@@ -70,28 +70,25 @@ def inside(sif: Path) -> list[str]:
     return ["container.runtime=apptainer", f"container.image={sif}"]
 
 
-@pytest.fixture(scope="module")
-def reference(sif: Path, apptainer_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The parameter checksum of the training inside the SIF, uninterrupted, on 2 nodes."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    proc = cluster_cmd(["--launcher", "sbatch", "--wait", *(a for s in inside(sif) for a in ("--set", s)), "--", *SLOW,
-                        f"run.dir={run}"], apptainer_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def uninterrupted(settings: list[str], env: dict[str, str], run: Path, timeout: float = 300) -> str:
+    """The parameter checksum of the training in the container ``settings`` name, uninterrupted, on 2 nodes."""
+    proc = cluster_cmd(["--launcher", "sbatch", "--wait", *(a for s in settings for a in ("--set", s)), "--", *SLOW,
+                        f"run.dir={run}"], env, timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())
     assert result["world_size"] == 2 and len(set(result["param_checksums"])) == 1, result
     return str(result["param_checksums"][0])
 
 
-@pytest.mark.slurm_compat
-def test_a_job_in_apptainer_loses_a_rank_then_is_preempted_and_ends_as_if_uninterrupted(
-        sif: Path, apptainer_env: dict[str, str], tmp_path: Path, reference: str) -> None:
-    """One job, two attempts held at a step: in the first, rank 1's python3 (a process of this machine, inside the
-    container) is SIGKILLed from outside, and the verdict, outside the container, blames its node; in the second,
-    Slurm's warning signal reaches the session inside it; the third ends as if uninterrupted."""
+def loses_a_rank_then_is_preempted(settings: list[str], env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    """One job in the container ``settings`` name, two attempts held at a step: in the first, rank 1's python3 (a
+    process of this machine, inside the container) is SIGKILLed from outside, and the verdict, outside the container,
+    blames its node; in the second, Slurm's warning signal reaches the session inside it; the third ends with the
+    uninterrupted run's parameters (``reference``)."""
     run = tmp_path / "run"
-    env = {**apptainer_env, **faults(at={"0": {"wait_at_step": 4}, "1": {"wait_at_step": 2}}),
+    env = {**env, **faults(at={"0": {"wait_at_step": 4}, "1": {"wait_at_step": 2}}),
            "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], inside(sif))
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], settings)
     held(run, ranks=2)
     node = kill_rank(job, 1, 0, sig=signal.SIGKILL)
     go(run)
@@ -103,6 +100,21 @@ def test_a_job_in_apptainer_loses_a_rank_then_is_preempted_and_ends_as_if_uninte
     assert [e["class"] for e in ends] == ["infrastructure", "preempted", "finished"], ends
     assert (ends[0]["blamed"], ends[0]["decision"]) == ([node], "requeue"), ends[0]
     assert node in excluded(job, env)
+
+
+@pytest.fixture(scope="module")
+def reference(sif: Path, apptainer_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameter checksum of the training inside the SIF, uninterrupted, on 2 nodes."""
+    return uninterrupted(inside(sif), apptainer_env, tmp_path_factory.mktemp("ref") / "run")
+
+
+@pytest.mark.slurm_compat
+def test_a_job_in_apptainer_loses_a_rank_then_is_preempted_and_ends_as_if_uninterrupted(
+        sif: Path, apptainer_env: dict[str, str], tmp_path: Path, reference: str) -> None:
+    """One job, two attempts held at a step: in the first, rank 1's python3 (a process of this machine, inside the
+    container) is SIGKILLed from outside, and the verdict, outside the container, blames its node; in the second,
+    Slurm's warning signal reaches the session inside it; the third ends as if uninterrupted."""
+    loses_a_rank_then_is_preempted(inside(sif), apptainer_env, tmp_path, reference)
 
 
 def test_a_command_and_the_doctor_run_in_apptainer(sif: Path, apptainer_env: dict[str, str], tmp_path: Path) -> None:
