@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,7 @@ def section(r: dict[str, Any] | None) -> list[str]:
     if r.get("tests"):  # the GPU tests' run on the same machine, kept beside the figures by hand
         out += [f"GPU tests on that machine: `{r['tests']['command']}`: {r['tests']['result']}.", ""]
     earlier: dict[str, Any] = r.get("earlier", {})
-    for key, render in (("lm", lm_section), ("precision", precision_section), ("trainer_vs_bare", bare_section),
-                        ("checkpoint", checkpoint_section), ("dp_vs_ddp", dp_section)):
+    for key, render in RENDERERS.items():
         if key in r:
             out += render(r[key])
         elif key in earlier:
@@ -231,7 +231,11 @@ def stored(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-PARTS = ("lm", "precision", "trainer_vs_bare", "checkpoint", "dp_vs_ddp")
+RENDERERS: dict[str, Callable[[Any], list[str]]] = {
+    "lm": lm_section, "precision": precision_section, "trainer_vs_bare": bare_section,
+    "checkpoint": checkpoint_section, "dp_vs_ddp": dp_section}
+"""The section's parts in their order, each with what shows it."""
+PARTS = tuple(RENDERERS)
 
 
 def measure(repeats: int, size: int, tmp: Path | None, out: Path, only: tuple[str, ...] = PARTS) -> dict[str, Any]:
