@@ -152,6 +152,41 @@ def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: lis
     return RanksTimedOut(args, timeout, waits + tails)
 
 
+def outputs(procs: list[Any], timeout: float) -> list[str]:
+    """Each process's output once all have exited. Past ``timeout`` (for all together), the ones still running show
+    where they wait, in the kernel and in Python (SIGABRT to each one's process group: its loader workers too), are
+    killed, and the test fails with every tail: a hang names its place instead of only its timeout."""
+    deadline, outs = time.monotonic() + timeout, []
+    for i, p in enumerate(procs):
+        try:
+            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0] or "")
+        except subprocess.TimeoutExpired:
+            raise _outlived(procs, outs, i, timeout) from None
+    return outs
+
+
+def _outlived(procs: list[Any], outs: list[str], first: int, timeout: float) -> RanksTimedOut:
+    alive = [p for p in procs[first:] if p.poll() is None]
+    waits = "".join(f"--- pid {p.pid}: where the kernel holds its process group\n{kernel_waits(p.pid)}" for p in alive)
+    for p in alive:
+        try:
+            os.killpg(p.pid, signal.SIGABRT)  # a leader of its own group (spawn_ranks)
+        except (ProcessLookupError, PermissionError):
+            p.send_signal(signal.SIGABRT)
+    for p in procs[first:]:
+        try:
+            out = p.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.kill()
+            out = p.communicate(timeout=30)[0]
+        outs.append(out or "")
+    tails = "".join(f"--- process {i}{' (still running at the timeout)' if p in alive else ''}\n{o[-12000:]}\n"
+                    for i, (p, o) in enumerate(zip(procs, outs, strict=True)))
+    return RanksTimedOut(procs[first].args, timeout, waits + tails)
+
+
 def kernel_waits(group: int) -> str:
     """Each process of a process group (a rank and its loader workers) with its state (T: stopped) and, per thread,
     the kernel function it sleeps in: where a hang waits, even for a process whose Python stacks cannot be dumped."""

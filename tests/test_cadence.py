@@ -19,7 +19,7 @@ from trainer.core.records import AttemptEnd, ExitRecord, RequeueMarker
 from trainer.runtime.saving.cadence import MAX_INTERVAL_S, MIN_INTERVAL_S, Cadence, history, interval_s
 
 from . import warm
-from .conftest import ROOT, SMALL, clean_env, faults, go, held, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, go, held, ok, outputs, result_of, run_trainer, spawn_ranks
 
 
 @pytest.mark.parametrize(("stall", "mtbf", "expected"), [
@@ -75,7 +75,7 @@ def test_the_time_limit_is_met_by_a_save_before_it_and_the_resumed_run_ends_as_a
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(run_trainer([*DEADLINE_ARGS, f"run.dir={ref}"], tmp_path, nproc=2))
     ranks = spawn_ranks([*DEADLINE_ARGS, f"run.dir={run}"], tmp_path, env=faults(end_in_s=30, step_delay_s=0.5))
-    outs = [p.communicate(timeout=240)[0] for p in ranks]
+    outs = outputs(ranks, timeout=240)
     assert [p.returncode for p in ranks] == [75, 75], outs[0]
     assert "the time limit is near: saved" in outs[0]
     marker = json.loads((run / "requeue.json").read_text())

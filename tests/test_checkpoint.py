@@ -18,7 +18,7 @@ from trainer.checkpoint import file as ckpt
 from trainer.checkpoint import layout
 
 from . import warm
-from .conftest import SMALL, clean_env, faults, go, held, ok, result_of, run_trainer, spawn_ranks
+from .conftest import SMALL, clean_env, faults, go, held, ok, outputs, result_of, run_trainer, spawn_ranks
 
 RESUME = [*SMALL, "train.epochs=2", "data.synthetic_train_size=512"]  # 2 ranks × batch 32: 8 steps per epoch
 
@@ -58,7 +58,7 @@ def test_resume_is_bit_identical(tmp_path: Path, reference: dict[str, dict[str, 
     run = tmp_path / "run"
     # Ranks started like srun starts them (torchrun's agent would turn exit code 75 into 1).
     ranks = spawn_ranks([*RESUME, *extra, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=micro))
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert outs[0].count("received: saved") == 1
     assert not (run / "result.json").exists()
@@ -75,7 +75,7 @@ def test_four_processes_resume_bit_identically(tmp_path: Path) -> None:
     at, run = random.randrange(1, 14), tmp_path / "run"
     ranks = spawn_ranks([*args, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, world=4,
                         env=faults(preempt_at_step=at))
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75] * 4, (at, outs[0])
     second = ok(run_trainer([*args, f"run.dir={run}"], tmp_path, nproc=4))
     assert f"at step {at + 1}" in second.stdout, second.stdout
@@ -184,14 +184,14 @@ def test_signal_saves_once_exits_75_and_rerun_resumes(tmp_path: Path) -> None:
     held(run, ranks)
     for p in ranks:  # as Slurm does: every process of the step, DataLoader workers included
         os.killpg(p.pid, signal.SIGUSR2)
-    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    outs = outputs(ranks, timeout=120)
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert outs[0].count("SIGUSR2 received: saved") == 1 and "received" not in outs[1]
     assert [p.stem for p in layout.committed(run / "checkpoints")] == ["step_00000010"]
     marker = json.loads((run / "requeue.json").read_text())  # for launchers that lose the exit code
     assert marker["signal"] == "SIGUSR2" and Path(marker["checkpoint"]).is_file()
     ranks = spawn_ranks([*SMALL, f"run.dir={run}", "data.num_workers=1"], tmp_path)
-    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    outs = outputs(ranks, timeout=120)
     assert [p.returncode for p in ranks] == [0, 0], outs
     assert outs[0].count("resumed from") == 1
     assert not (run / "requeue.json").exists()
@@ -204,7 +204,7 @@ def test_sigterm_also_saves(tmp_path: Path) -> None:
     held(run, ranks)
     ranks[1].send_signal(signal.SIGTERM)  # one rank alone is enough: the flag is all-reduced
     go(run)
-    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    outs = outputs(ranks, timeout=120)
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert "SIGTERM received: saved" in outs[0]
 
@@ -224,7 +224,7 @@ def test_unresolvable_master_addr_fails_fast_and_clearly(tmp_path: Path) -> None
     """Fast: at once, not after the rendezvous's 600 s timeout (the bound leaves a slow machine 4 × today's time)."""
     ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=600"], tmp_path,
                         env={"MASTER_ADDR": "no-such-host.invalid"})
-    outs = [p.communicate(timeout=240)[0] for p in ranks]
+    outs = outputs(ranks, timeout=240)
     assert [p.returncode for p in ranks] == [2, 2], outs
     assert "error: MASTER_ADDR: host 'no-such-host.invalid' does not resolve" in outs[0] and "HINT:" in outs[0]
 
@@ -263,7 +263,7 @@ def test_out_of_memory_while_setting_up_goes_through_the_same_handler(tmp_path: 
     """Construction (model to device, resume, DDP wrapper) is outside the loop's handler but gets the same report."""
     (tmp_path / "oom_in_setup.py").write_text(OOM_IN_SETUP)  # the real entrypoint, with only DDP replaced
     ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / 'run'}"], tmp_path, module="oom_in_setup")
-    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    outs = outputs(ranks, timeout=120)
     assert [p.returncode for p in ranks] == [2, 2], outs
     for rank, out in enumerate(outs):
         lines = out.strip().splitlines()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .conftest import AUDIT, SMALL, clean_env, faults, go, held, ok, result_of, run_trainer
+from .conftest import AUDIT, SMALL, clean_env, faults, go, held, ok, outputs, result_of, run_trainer
 
 
 def test_two_processes_train_identical_weights_and_learn(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_the_same_master_port_right_after_another_run_is_no_error(tmp_path: Path
     for i in range(2):
         ranks = spawn_ranks([*SMALL, f"run.dir={tmp_path / str(i)}", "train.epochs=1", "data.synthetic_train_size=256"],
                             tmp_path, env={"MASTER_PORT": port})
-        outs = [p.communicate(timeout=120)[0] for p in ranks]
+        outs = outputs(ranks, timeout=120)
         assert [p.returncode for p in ranks] == [0, 0], outs
 
 

@@ -27,7 +27,7 @@ from trainer.doctor.checks import (
 from trainer.doctor.run import describe, main, merge, render, worst_exit
 
 from . import warm
-from .conftest import clean_env, free_port, spawn_ranks
+from .conftest import clean_env, free_port, outputs, spawn_ranks
 from .test_slurm import sh, slurm_env  # noqa: F401  (the fixture)
 
 
@@ -64,7 +64,7 @@ def test_unwritable_run_folder_fails_clearly_on_every_rank(tmp_path: Path) -> No
 
 def test_unresolvable_master_fails_fast_without_a_traceback(tmp_path: Path) -> None:
     procs = spawn_ranks(["--timeout=20"], tmp_path, env={"MASTER_ADDR": "no-such-host.invalid"}, module="trainer.doctor")
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs = outputs(procs, timeout=60)
     assert [p.returncode for p in procs] == [1, 1], outs
     assert "FAIL    'no-such-host.invalid' does not resolve" in row(outs[0], "master")
     assert "HINT: every node must resolve" in outs[0] and "Traceback" not in outs[0] + outs[1]
@@ -119,7 +119,7 @@ def test_a_rank_lost_after_setup_fails_every_survivor_without_a_traceback(tmp_pa
         procs.append(warm.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True))
     try:
-        outs = [p.communicate(timeout=timeout + 180)[0] for p in procs[:2]]  # a hang fails here
+        outs = outputs(procs[:2], timeout=timeout + 180)  # a hang fails here
     finally:
         for p in procs:
             if p.poll() is None:

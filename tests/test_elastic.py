@@ -15,7 +15,7 @@ from trainer.data.batches import check_worlds, plan
 from trainer.data.loader import Loader, train_loader
 from trainer.data.samplers import GlobalBatchSampler
 
-from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 
 LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
 
@@ -117,7 +117,7 @@ def _trace(run: Path) -> list[dict[str, object]]:
 def _ranks(args: list[str], tmp: Path, world: int, code: int, **fault: int) -> str:
     """Run the elastic loop on ``world`` processes (srun-style); every rank exits ``code``."""
     procs = spawn_ranks(args, tmp, world, faults(**fault) if fault else None, script=LOOP)
-    outs = [p.communicate(timeout=180)[0] for p in procs]
+    outs = outputs(procs, timeout=180)
     assert [p.returncode for p in procs] == [code] * world, "\n".join(outs)
     return outs[0]
 
@@ -169,7 +169,7 @@ def test_a_global_batch_the_world_size_cannot_split_exits_2_before_training(tmp_
     out = _ranks(["train.device=cpu", f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled"], tmp_path, 2, 0)
     assert "global batch 24" in out  # the script's own global batch splits; now one that does not:
     procs = spawn_ranks([*SMALL, "data.global_batch_size=63", f"run.dir={tmp_path / 'odd'}"], tmp_path, 2)
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = outputs(procs, timeout=120)
     assert [p.returncode for p in procs] == [2, 2], outs
     assert "error: data.global_batch_size: 63 samples per step do not split equally across 2 processes" in outs[0]
     assert "HINT: use a multiple of 2 (e.g. data.global_batch_size=64)" in outs[0]

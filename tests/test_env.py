@@ -15,7 +15,7 @@ from trainer.core.dist import cpu_threads
 from trainer.core.env import PORT_BASE, PORT_SPAN, DistEnv, discover, expand_nodelist, port_from_job_id, tasks_per_node
 from trainer.core.errors import UserError
 
-from .conftest import SMALL, clean_env, spawn_ranks
+from .conftest import SMALL, clean_env, outputs, spawn_ranks
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}
@@ -185,7 +185,7 @@ def test_unbound_ranks_share_the_nodes_cpus(tmp_path: Path) -> None:
     event records rank 0's), where torch alone would give each every core."""
     run = tmp_path / "run"
     ranks = spawn_ranks([*SMALL, f"run.dir={run}", "run.report=false"], tmp_path, env={"OMP_NUM_THREADS": ""})
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [0, 0], outs
     attempt = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "attempt")
     assert attempt["cpu_threads"] == max(1, (os.cpu_count() or 1) // 2), attempt

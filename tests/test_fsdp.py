@@ -17,7 +17,7 @@ from trainer.checkpoint import layout
 from trainer.export import consolidated
 
 from . import warm
-from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 
 CHAR_LM = ROOT / "examples" / "char_lm" / "train.py"
 LM = ["--max-steps", "24", "--eval-every", "12", "--max-bytes", "40000", "--batch-size", "8", "--sample", "0",
@@ -60,7 +60,7 @@ def test_fsdp_preempted_at_a_random_step_resumes_bit_identically(tmp_path: Path,
     run = tmp_path / "run"
     at = random.randrange(1, 22)
     ranks = spawn_ranks([*LM, *FSDP, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=at), script=CHAR_LM)
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], (at, outs)
     second = ok(run_trainer([*LM, *FSDP, f"run.dir={run}"], tmp_path, nproc=2, script=CHAR_LM))
     assert f"resumed from {run / 'checkpoints' / f'step_{at + 1:08d}'} at step {at + 1}" in second.stdout
@@ -113,7 +113,7 @@ def test_a_sharded_checkpoint_resumes_onto_another_number_of_processes(tmp_path:
     args = [*BUILTIN, f"run.dir={run}", "checkpoint.poll_steps=1"]
     if before == 2:
         ranks = spawn_ranks(args, tmp_path, env=faults(preempt_at_step=5))
-        outs = [p.communicate(timeout=180)[0] for p in ranks]
+        outs = outputs(ranks, timeout=180)
         assert [p.returncode for p in ranks] == [75, 75], outs
     else:
         proc = run_trainer(args, tmp_path, env=faults(preempt_at_step=5))
@@ -166,7 +166,7 @@ def test_ddp_with_sharded_checkpoints_spreads_the_writes_and_resumes_exactly(tmp
             "checkpoint.poll_steps=1"]
     run = tmp_path / "run"
     ranks = spawn_ranks([*args, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=6))
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], outs
     step = run / "checkpoints" / "step_00000007"
     sizes = {f.name: f.stat().st_size for f in step.iterdir()}

@@ -18,7 +18,7 @@ from trainer.core.env import DistEnv
 from trainer.runtime.health import heartbeat
 from trainer.runtime.health.heartbeat import EXIT_HANG, Heartbeat, build_report, set_aside
 
-from .conftest import SMALL, faults, ok, run_trainer, spawn_ranks
+from .conftest import SMALL, faults, ok, outputs, run_trainer, spawn_ranks
 
 OLD_REPORT_TIME = datetime(2024, 1, 2, 3, 4, 5).timestamp()
 
@@ -40,7 +40,7 @@ def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path,
     # Exit 3 on both ranks is the watchdog's report, not gloo's timeout (600 s; pytest's 300 s would come first).
     args = [*SMALL, f"run.dir={run}", "dist.timeout_s=600", "dist.heartbeat_timeout_s=6"]
     procs = spawn_ranks(args, tmp_path, env=faults(hang_at_step=6))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    outs = outputs(procs, timeout=240)
     assert [p.returncode for p in procs] == [EXIT_HANG, EXIT_HANG], outs
     report = (run / "hang" / "report.txt").read_text()
     assert "stuck rank(s): 1 " in report, report

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, clean_env, faults, free_port, held
+from .conftest import ROOT, clean_env, faults, free_port, held, outputs
 
 PLAIN = ROOT / "tests" / "scripts" / "plain_ddp.py"
 HOSTILE = ["a b", "x'; touch pwned; echo 'y", "$(touch pwned)", "--flag=1", "--"]
@@ -38,7 +38,7 @@ def test_a_plain_ddp_script_gets_torchruns_variables_from_slurms(tmp_path: Path)
     procs = [launch(["--", "python", str(PLAIN), *HOSTILE],
                     slurm_task(r, 2, job_id, {"PATH": "/usr/bin:/bin", "OUT_DIR": str(tmp_path)}), tmp_path)
              for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = outputs(procs, timeout=120)
     assert [p.returncode for p in procs] == [0, 0], outs
     lines = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [x["rank"] for x in lines] == [0, 1] and {x["world_size"] for x in lines} == {2}

@@ -12,7 +12,7 @@ import torch
 from trainer.core.config import help_text
 from trainer.core.errors import UserError
 
-from .conftest import SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import SMALL, clean_env, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 
 NETS = '''
 import torch
@@ -171,7 +171,7 @@ def test_user_package_survives_preemption_bit_identically(pkg: Path, kind: str) 
     ref, run = pkg / "runs" / f"ref-{kind}", pkg / "runs" / f"pre-{kind}"
     ok(run_trainer([*BASE, *extra, f"run.dir={ref}"], pkg, nproc=2))
     ranks = spawn_ranks([*BASE, *extra, f"run.dir={run}"], pkg, env=faults(preempt_at_step=9))
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], outs
     second = ok(run_trainer([*BASE, *extra, f"run.dir={run}"], pkg, nproc=2))
     assert "resumed from" in second.stdout and "starts again" not in second.stdout

@@ -15,7 +15,7 @@ import torch
 from trainer.checkpoint import file as ckpt
 from trainer.checkpoint import layout
 
-from .conftest import ROOT, SMALL, clean_env, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 from .test_tracking import run_files
 from .wandb_records import summary
 
@@ -41,7 +41,7 @@ def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_rand
     at = random.randrange(1, 22)  # signalled during step at+1; agreed at its end (poll_steps=1)
     ranks = spawn_ranks([*LM, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, env=faults(preempt_at_step=at),
                         script=CHAR_LM)
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], (at, outs)
     assert (run / "requeue.json").exists() and "exiting with 75" in outs[0]
     second = ok(run_trainer([*LM, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, nproc=2, script=CHAR_LM))
@@ -57,7 +57,7 @@ def test_char_lm_on_four_processes_resumes_bit_identically(tmp_path: Path) -> No
     ok(run_trainer([*lm, f"run.dir={ref}"], tmp_path, nproc=4, script=CHAR_LM))
     at = random.randrange(1, 22)
     ranks = spawn_ranks([*lm, f"run.dir={run}"], tmp_path, world=4, env=faults(preempt_at_step=at), script=CHAR_LM)
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75] * 4, (at, outs[0])
     ok(run_trainer([*lm, f"run.dir={run}"], tmp_path, nproc=4, script=CHAR_LM))
     assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
@@ -70,7 +70,7 @@ def test_char_lm_with_a_global_batch_continues_on_one_process_as_on_two(tmp_path
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(run_trainer([*lm, f"run.dir={ref}"], tmp_path, nproc=2, script=CHAR_LM))
     ranks = spawn_ranks([*lm, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=9), script=CHAR_LM)
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [75, 75], outs
     assert "global batch 16 = 2 process(es) × 8 samples × 1 accumulation step(s)" in outs[0]
     one = ok(run_trainer([*lm, f"run.dir={run}"], tmp_path, nproc=1, script=CHAR_LM))
@@ -144,7 +144,7 @@ def test_a_minimal_user_loop_trains_saves_resumes_exactly_and_logs_one_wandb_run
     ok(run_trainer([f"run.dir={ref}", "tracking.mode=disabled", "run.report=false"], tmp_path, nproc=2, script=script))
     args = [f"run.dir={run}", "tracking.mode=offline"]
     ranks = spawn_ranks(args, tmp_path, env=faults(preempt_at_step=8), script=script)
-    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    outs = outputs(ranks, timeout=120)
     assert [p.returncode for p in ranks] == [75, 75], outs
     ok(run_trainer(args, tmp_path, nproc=2, script=script))
     assert same(last_weights(run), last_weights(ref))

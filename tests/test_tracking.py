@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .conftest import SMALL, faults, ok, result_of, run_trainer, spawn_ranks
+from .conftest import SMALL, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 from .wandb_records import summary
 
 OFFLINE = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline", "train.log_every=4"]
@@ -45,10 +45,10 @@ def test_restarts_continue_one_run_with_increasing_steps(tmp_path: Path) -> None
     args = [*OFFLINE, "train.epochs=2", f"run.dir={run}"]
     for preempt_at in (6, 9):  # two preemptions, then the run finishes: three processes in all
         ranks = spawn_ranks(args, tmp_path, env=faults(preempt_at_step=preempt_at))
-        outs = [p.communicate(timeout=180)[0] for p in ranks]
+        outs = outputs(ranks, timeout=180)
         assert [p.returncode for p in ranks] == [75, 75], outs
     ranks = spawn_ranks(args, tmp_path)
-    outs = [p.communicate(timeout=180)[0] for p in ranks]
+    outs = outputs(ranks, timeout=180)
     assert [p.returncode for p in ranks] == [0, 0], outs
     files = run_files(run)
     assert len(files) == 3  # offline W&B opens a folder per process start; `wandb sync` merges them
