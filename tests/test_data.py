@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,59 @@ def test_missing_dataset_says_where_the_files_must_be(tmp_path: Path, name: str,
     assert info.value.field == "data.root"
     assert expected in info.value.message
     assert "nothing is downloaded" in info.value.hint
+
+
+def test_an_eval_loaders_workers_start_early_and_its_first_pass_is_unchanged() -> None:
+    """Session.restore forks an evaluation loader's workers before the loop starts (start_workers): the batches read
+    ahead then are dropped, so each pass over the set is exactly an unprimed loader's."""
+    from trainer.data.loader import eval_loader
+    from trainer.data.workers import start_workers
+
+    env = env_of(1, 2)
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
+    plain, early = (eval_loader(data, env, 3, num_workers=1, persistent_workers=True) for _ in range(2))
+    start_workers(early)
+    workers = early._iterator._workers  # type: ignore[attr-defined]
+    assert [w.is_alive() for w in workers] == [True]
+    try:
+        for _ in range(2):
+            assert [b[1].tolist() for b in early] == [b[1].tolist() for b in plain]
+        assert early._iterator._workers == workers  # type: ignore[attr-defined]  # the same process: not forked again
+    finally:
+        for loader in (early, plain):
+            loader._iterator._shutdown_workers()  # type: ignore[attr-defined]
+
+
+HUNG_FORK = """
+import os, sys, time, torch
+from trainer.data import workers
+from trainer.data.workers import checked_iter, worker_init
+
+workers.START_S = 5.0
+armed = [1]  # the first fork's child hangs inside fork, as CPython gh-112275's does; later ones start
+os.register_at_fork(after_in_child=lambda: armed[0] and time.sleep(3600),
+                    after_in_parent=lambda: armed.__setitem__(0, 0))
+data = torch.utils.data.TensorDataset(torch.arange(12))
+loader = torch.utils.data.DataLoader(data, batch_size=3, num_workers=1, persistent_workers=sys.argv[1] == "1",
+                                     worker_init_fn=worker_init((), None))
+print([b[0].tolist() for b in checked_iter(loader)], flush=True)
+"""
+
+
+@pytest.mark.parametrize("persistent", ["1", "0"])
+def test_a_loader_worker_hung_inside_fork_is_killed_and_forked_again(tmp_path: Path, persistent: str) -> None:
+    """A worker that never gets out of fork (held there from outside, in an after-fork hook) is found by its missing
+    start report, killed, and the loader's workers forked again: the pass yields every batch."""
+    proc = ok(subprocess.run([sys.executable, "-c", HUNG_FORK, persistent], cwd=ROOT, capture_output=True, text=True,
+                             timeout=240))
+    assert proc.stdout.strip() == "[[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]"
+    assert "warning: a loader worker did not start within 5 s (try 1 of 3)" in proc.stderr
+
+
+@pytest.mark.parametrize(("version", "affected"), [((3, 11, 7), True), ((3, 11, 9), True), ((3, 11, 10), False),
+                                                   ((3, 12, 0), True), ((3, 12, 1), False), ((3, 13, 0), False)])
+def test_the_fork_hang_is_named_only_on_the_interpreters_that_have_it(version: tuple[int, int, int],
+                                                                      affected: bool) -> None:
+    from trainer.data.workers import python_note
+
+    assert ("gh-112275" in python_note(version)) is affected

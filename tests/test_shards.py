@@ -16,7 +16,8 @@ import pytest
 from trainer.core.env import DistEnv
 from trainer.data import ShardError, Shards, Tokens
 from trainer.data.batches import plan
-from trainer.data.loader import Loader, shutdown_workers
+from trainer.data.loader import Loader
+from trainer.data.workers import shutdown_workers
 
 from .conftest import ROOT, ok, run_trainer
 from .shard_files import add, ident, write

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +14,7 @@ from trainer.core.errors import UserError
 from trainer.data.batches import BatchPlan, plan
 from trainer.data.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
 from trainer.data.shards import Shards
+from trainer.data.workers import checked_iter, worker_init
 
 
 class InMemory(TensorDataset):
@@ -30,25 +29,18 @@ def in_memory_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
     """The collate function for InMemory sets: __getitems__ already returns the batch."""
     return batch
 
-def _worker_init(signals: tuple[int, ...], user_init: Any, worker_id: int) -> None:
-    # Slurm signals every process of a step: workers must survive until the trainer has saved.
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
-    if user_init is not None:
-        user_init(worker_id)
-
 
 def loader_kwargs(dataset: Dataset[Any], env: DistEnv, device: torch.device, seed: int, signals: tuple[int, ...],
                   kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DataLoader arguments with our defaults: workers that ignore preemption signals, pinned memory on GPUs,
-    a generator of its own (the loader never draws on the global RNG the model uses), and for tensors in memory
-    a whole batch per indexing op (no per-sample collate)."""
+    """DataLoader arguments with our defaults: workers that ignore preemption signals and report their start
+    (trainer.data.workers), pinned memory on GPUs, a generator of its own (the loader never draws on the global RNG
+    the model uses), and for tensors in memory a whole batch per indexing op (no per-sample collate)."""
     workers = kwargs.get("num_workers", 0)
     out = {"pin_memory": device.type == "cuda", "persistent_workers": workers > 0,
            "generator": torch.Generator().manual_seed(seed + env.rank),
            **({"collate_fn": in_memory_batch} if isinstance(dataset, InMemory) else {}), **kwargs}
     if workers > 0:
-        out["worker_init_fn"] = functools.partial(_worker_init, signals, kwargs.get("worker_init_fn"))
+        out["worker_init_fn"] = worker_init(signals, kwargs.get("worker_init_fn"))
     return out
 
 
@@ -166,7 +158,7 @@ class Loader:
         elif self.sampler is not None:
             self.sampler.start_epoch(self.epoch, self.position * self.batch_size)
         left = self.remaining()
-        for i, batch in enumerate(self.loader):
+        for i, batch in enumerate(checked_iter(self.loader)):
             if hooks.current().records and isinstance(self.sampler, StreamSampler):
                 hooks.current().record(self.rank, self.sampler.ledger_entry(self.epoch, self.position))
             self.position += 1
@@ -254,12 +246,3 @@ def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: 
     """Disjoint shards covering the set exactly once (no padding): all-reduced sums count each sample once."""
     shard = None if isinstance(dataset, IterableDataset) else ShardSampler(len(dataset), env)  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=batch_size, sampler=shard, **kwargs)
-
-
-def shutdown_workers(loader: DataLoader[Any]) -> None:
-    """Stop a loader's persistent workers now, through their queue: they ignore the preemption signals (SIGTERM
-    included), so the interpreter's exit, which terminates children by signal and then joins them, would wait forever."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    loader._iterator = None

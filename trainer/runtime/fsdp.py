@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer.data.workers import checked_iter
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -100,11 +103,12 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 def eval_batches(model: nn.Module | None, loader: Iterable[Any], device: torch.device) -> Iterator[tuple[Any, bool]]:
     """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
     so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
+    batches = checked_iter(loader) if isinstance(loader, DataLoader) else iter(loader)
     if model is None or not is_sharded(model):
-        for batch in loader:
+        for batch in batches:
             yield batch, True
         return
-    last, batches = None, iter(loader)
+    last = None
     while True:
         batch = next(batches, None)
         more = torch.tensor([batch is not None], dtype=torch.int32, device=device)

@@ -45,7 +45,8 @@ from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
 from trainer.core.records import RequeueMarker
 from trainer.core.schema import Config
-from trainer.data.loader import Loader, eval_loader, loader_kwargs, shutdown_workers, train_loader
+from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
+from trainer.data.workers import shutdown_workers, start_workers
 from trainer.runtime import compile_cache
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
@@ -199,6 +200,8 @@ class Session:
         made = eval_loader(dataset, self.env, batch_size,
                            **loader_kwargs(dataset, self.env, self.device, self.cfg.train.seed, self.signals, kwargs))
         self.loaders.append(made)
+        if self.parts is not None:  # else at restore's end, before the loop's threads start
+            start_workers(made)
         return made
 
     def describe(self, **facts: Any) -> None:
@@ -225,6 +228,7 @@ class Session:
         if self.resumed:
             held = " (a snapshot in node memory)" if self.resumed.memory else ""
             self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
+        start_workers(*self.loaders)  # now, before the loop's threads (trainer.data.workers)
         return self.step
 
     # ---- the loop ----------------------------------------------------------------------------
