@@ -68,7 +68,8 @@ def test_a_planted_violation_breaks_the_check(tmp_path: Path, where: str, line: 
 
 
 @pytest.mark.parametrize("argv", [["-c", "import trainer; trainer.UserError"], ["-m", "cluster", "--help"],
-                                  ["-m", "trainer.report", "--help"], ["-m", "trainer.launch", "--help"]])
+                                  ["-m", "trainer.report", "--help"], ["-m", "trainer.launch", "--help"],
+                                  ["-m", "trainer.store", "--help"]])
 def test_command_line_tools_start_without_torch(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=60)

@@ -1,0 +1,102 @@
+"""A new process group of the survivors, without a new process: who is alive, their new ranks, the group itself.
+
+The rendezvous store lives outside the ranks (``python -m trainer.store``), so any rank may be lost, rank 0 included.
+Each rank holds a presence connection to that process (``Presence``); the kernel closes it when the rank's process
+ends however it ends, and the store process marks the rank lost at once (``lost/<rank>``). No thread of the rank has
+to run for it, so a rank busy in C++ with Python's lock held is not mistaken for a lost one. When a collective fails,
+the survivors leave the group and join the next generation: the first to arrive decides the members (every rank not
+lost, once each has joined), every survivor takes its place among them, and the group is made again on keys of that
+generation.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Place:
+    """A rank's place in one generation of the job's process group."""
+
+    generation: int
+    rank: int
+    world_size: int
+    members: tuple[int, ...]
+    """The first generation's ranks in this one, in order (new rank = index)."""
+
+    @staticmethod
+    def first(rank: int, world_size: int) -> Place:
+        """Generation 0: every rank."""
+        return Place(0, rank, world_size, tuple(range(world_size)))
+
+
+def decide(known: Iterable[int], lost: set[int], joined: set[int]) -> tuple[int, ...]:
+    """The members of the next generation: the known ranks that are not lost and have joined, in order."""
+    return tuple(r for r in sorted(known) if r not in lost and r in joined)
+
+
+class Presence:
+    """This rank's connection to the store process, open as long as the process lives (TCP keepalive: a node that
+    vanishes without closing it is noticed in about 5 s)."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout: float = 60.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        self.sock.sendall(f"{rank}\n".encode())
+
+    def close(self) -> None:
+        """A rank that ends cleanly says so first: ``done`` is not ``lost``."""
+        try:
+            self.sock.sendall(b"done\n")
+        finally:
+            self.sock.close()
+
+
+def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout: float = 60.0,
+         sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Place:
+    """Join ``generation`` as rank ``origin`` of the first generation (the name ranks go by); the first to arrive
+    decides the members. A rank neither lost nor joined within ``timeout`` (hung) is left out. Raises RuntimeError
+    if this rank is not among the members (it came too late)."""
+    prefix = f"generation/{generation}"
+    store.set(f"{prefix}/joined/{origin}", "1")
+    if int(store.add(f"{prefix}/arrived", 1)) == 1:
+        ranks, deadline = sorted(known), clock() + timeout
+        while True:
+            lost = {r for r in ranks if store.check([f"lost/{r}"])}
+            joined = {r for r in ranks if store.check([f"{prefix}/joined/{r}"])}
+            if set(ranks) <= lost | joined or clock() > deadline:
+                break
+            sleep(0.01)  # a survivor still on its way out of the failed collective
+        store.set(f"{prefix}/members", ",".join(map(str, decide(ranks, lost, joined))))
+    store.wait([f"{prefix}/members"], timedelta(seconds=timeout))
+    members = tuple(int(r) for r in store.get(f"{prefix}/members").decode().split(",") if r)
+    if origin not in members:
+        raise RuntimeError(f"rank {origin} was left out of generation {generation} (members {list(members)})")
+    return Place(generation, members.index(origin), len(members), members)
+
+
+def form(store: Any, place: Place, backend: str, timeout: timedelta) -> None:
+    """Make ``place``'s process group on its generation's keys of ``store``."""
+    dist.init_process_group(backend, store=dist.PrefixStore(f"group/{place.generation}", store),  # type: ignore[attr-defined]
+                            rank=place.rank, world_size=place.world_size, timeout=timeout)
+
+
+def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta) -> Place:
+    """After a failed collective: leave the group first (its sockets close, so a survivor still waiting in it fails
+    too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
+    block of the failure: the exception's frames hold the old group, whose sockets would stay open."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds())
+    form(store, place, backend, timeout)
+    return place

@@ -1,0 +1,75 @@
+"""``python -m trainer.store [--host H] [--port P] [--port-file F]``: a job's rendezvous store in a process of its own.
+
+Held by rank 0, the store would end with it; held here, any rank may be lost and the others regroup on it
+(``trainer.core.regroup``). Beside the store it listens for each rank's presence connection (a second port) and marks
+a rank ``lost/<rank>`` in the store the moment its connection closes without a ``done``. It serves until SIGTERM or
+SIGINT. ``--port 0`` takes free ports; ``--port-file`` gets "STORE_PORT PRESENCE_PORT" (atomically) once both listen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+def watch_presence(server: socket.socket, store: Any) -> None:
+    """Accept presence connections; a rank whose connection ends without ``done`` is lost."""
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    seen: dict[socket.socket, bytes] = {}
+    while True:
+        for key, _ in sel.select():
+            sock: socket.socket = key.fileobj  # type: ignore[assignment]
+            if sock is server:
+                conn, _ = server.accept()
+                sel.register(conn, selectors.EVENT_READ)
+                seen[conn] = b""
+                continue
+            try:
+                data = sock.recv(64)
+            except OSError:
+                data = b""
+            seen[sock] += data
+            if data:
+                continue
+            sel.unregister(sock)
+            sock.close()
+            words = seen.pop(sock).decode(errors="replace").split()
+            if words and words[0].isdigit() and "done" not in words[1:]:
+                store.set(f"lost/{words[0]}", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.store", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="the store's port (0: a free one); presence: any free one")
+    parser.add_argument("--port-file", type=Path, help="write 'STORE_PORT PRESENCE_PORT' here once both listen")
+    args = parser.parse_args(argv)
+    import torch.distributed as dist  # after parsing: --help needs no torch
+
+    done = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, done)  # before any thread: sigwait below takes them
+    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                          timeout=timedelta(seconds=60))
+    presence = socket.create_server((args.host, 0))
+    threading.Thread(target=watch_presence, args=(presence, store), name="presence", daemon=True).start()
+    ports = f"{store.port} {presence.getsockname()[1]}"
+    if args.port_file:
+        tmp = args.port_file.with_name(args.port_file.name + ".tmp")
+        tmp.write_text(ports + "\n")
+        os.replace(tmp, args.port_file)
+    print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
+    signal.sigwait(done)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
