@@ -21,6 +21,7 @@ from trainer.doctor.checks import (
     Check,
     check_bytecode,
     check_gpus,
+    check_versions,
     container_spec,
     shared_gpus,
 )
@@ -266,3 +267,11 @@ def test_dev_cluster_two_nodes_and_an_unwritable_folder(slurm_env: dict[str, str
     # Each rank named with its node: whichever two nodes Slurm gave (another test's job may hold n1).
     named = re.findall(r"rank (\d) \((n\d)\)", row(bad.stdout, "run folder"))
     assert bad.returncode != 0 and [r for r, _ in named] == ["0", "1"] and len({n for _, n in named}) == 2, bad.stdout
+
+
+@pytest.mark.parametrize(("python", "status"), [((3, 11, 7), WARN), ((3, 11, 10), PASS), ((3, 12, 1), PASS)])
+def test_the_versions_row_warns_where_python_can_hang_a_forked_worker(python: tuple[int, int, int],
+                                                                     status: str) -> None:
+    row = check_versions(python)
+    assert (row.status, "gh-112275" in row.detail, "3.11.10+" in row.hint) == (status, status == WARN, status == WARN)
+    assert row.detail.startswith("python " + ".".join(map(str, python)))

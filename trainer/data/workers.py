@@ -112,9 +112,14 @@ def shutdown_workers(loader: DataLoader[Any]) -> None:
     loader._iterator = None
 
 
+def hangs_in_fork(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether this interpreter can hang a child forked beside threads (CPython gh-112275)."""
+    return version < (3, 11, 10) or (3, 12, 0) <= version < (3, 12, 1)
+
+
 def python_note(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> str:
     """Where this interpreter has the fork bug, which versions do not."""
-    if version < (3, 11, 10) or (3, 12, 0) <= version < (3, 12, 1):
+    if hangs_in_fork(version):
         return (f" (Python {'.'.join(map(str, version))} can hang a process forked beside threads, CPython gh-112275: "
                 "fixed in 3.11.10 and 3.12.1)")
     return ""

@@ -36,12 +36,15 @@ class Check:
 
 # ---- checks that need no other rank --------------------------------------------------------------
 
-def check_versions() -> Check:
-    """torch, CUDA and NCCL versions (information; fails only when torch has no distributed support)."""
+def check_versions(python: tuple[int, ...] = tuple(sys.version_info[:3])) -> Check:
+    """Python, torch, CUDA and NCCL versions (fails only when torch has no distributed support; warns where this
+    Python can hang a forked loader worker)."""
     import torch
     import torch.distributed as dist
 
-    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}"]
+    from trainer.data.workers import hangs_in_fork
+
+    parts = [f"python {'.'.join(map(str, python))}", f"torch {torch.__version__}"]
     if torch.version.cuda:
         parts.append(f"CUDA {torch.version.cuda}")
     if torch.cuda.is_available():
@@ -49,6 +52,10 @@ def check_versions() -> Check:
     if not dist.is_available():
         return Check("versions", FAIL, ", ".join(parts) + ": built without torch.distributed",
                      "install a torch wheel from pytorch.org (the default ones include distributed)")
+    if hangs_in_fork(python):
+        return Check("versions", WARN, ", ".join(parts) + ": this Python can hang a loader worker inside fork (CPython "
+                     "gh-112275); the session finds such a worker within 10 s and forks it again",
+                     "use Python 3.11.10+ or 3.12.1+ (or data.num_workers=0: no worker processes)")
     return Check("versions", PASS, ", ".join(parts))
 
 
