@@ -22,15 +22,20 @@ from trainer.core.regroup import Presence, decide, join
 from .conftest import ROOT, clean_env, outputs
 
 
-@pytest.mark.parametrize(("lost", "joined", "members"), [
-    (set(), {0, 1, 2}, (0, 1, 2)),   # nobody lost: everyone goes on
-    ({0}, {1, 2}, (1, 2)),           # rank 0, the store's usual host, lost: the others go on
-    ({2}, {0, 1, 2}, (0, 1)),        # joined, then lost before the decision: out
-    (set(), {0, 2}, (0, 2)),         # neither lost nor joined by the deadline (hung): out
+@pytest.mark.parametrize(("lost", "joined", "spares", "members"), [
+    (set(), {0, 1, 2}, [], (0, 1, 2)),      # nobody lost: everyone goes on
+    ({0}, {1, 2}, [], (1, 2)),              # rank 0, the store's usual host, lost: the others go on
+    ({2}, {0, 1, 2}, [], (0, 1)),           # joined, then lost before the decision: out
+    (set(), {0, 2}, [], (0, 2)),            # neither lost nor joined by the deadline (hung): out
+    ({1}, {0, 2}, [4, 3], (0, 2, 4)),       # a spare takes the lost rank's place, the first offered first
+    ({1, 4}, {0, 2}, [4, 3], (0, 2, 3)),    # a spare that is gone itself is passed over
+    ({0, 1}, {2}, [3], (2, 3)),             # fewer spares than lost ranks: the group shrinks
+    (set(), {0, 1, 2}, [3], (0, 1, 2)),     # nobody lost: the spare keeps waiting
 ])
-def test_the_members_are_the_ranks_not_lost_that_joined(lost: set[int], joined: set[int],
-                                                        members: tuple[int, ...]) -> None:
-    assert decide(range(3), lost, joined) == members
+def test_the_members_are_the_ranks_not_lost_that_joined_then_spares(lost: set[int], joined: set[int],
+                                                                    spares: list[int],
+                                                                    members: tuple[int, ...]) -> None:
+    assert decide(range(3), lost, joined, spares, size=3) == members
 
 
 def test_the_first_to_arrive_waits_for_every_rank_not_lost_then_all_take_their_places() -> None:
@@ -84,33 +89,52 @@ def start_store(folder: Path) -> tuple[subprocess.Popen[str], tuple[int, int]]:
     return store, (int(first), int(second))
 
 
-@pytest.mark.parametrize("lost", [0, 2])
-def test_the_survivors_of_a_killed_rank_regroup_without_a_new_process(tmp_path: Path, lost: int) -> None:
-    store, ports = start_store(tmp_path)
-    ranks: list[subprocess.Popen[str]] = []
+def run_job(folder: Path, lost: int, spares: int = 0) -> list[dict[str, object]]:
+    """Three ranks (and ``spares`` warm spares) of tests/scripts/regroup_rank.py on a store process; rank ``lost`` is
+    SIGKILLed from outside once every rank has done 10 all-reduces. What each process that went on printed."""
+    store, ports = start_store(folder)
+    procs: list[subprocess.Popen[str]] = []
     try:
-        ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/scripts/regroup_rank.py"), "127.0.0.1",
-                                   *map(str, ports), str(r), "3", str(tmp_path)], cwd=ROOT, env=clean_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                 for r in range(3)]
+        for who in [*map(str, range(3)), *(f"spare:{3 + n}" for n in range(spares))]:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/scripts/regroup_rank.py"), "127.0.0.1",
+                                           *map(str, ports), who, "3", str(folder)], cwd=ROOT, env=clean_env(),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
         deadline = time.monotonic() + 240
-        while len(list(tmp_path.glob("ready.*"))) < 3:
-            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline, \
-                outputs([p for p in ranks if p.poll() is not None], timeout=5)
+        while len(list(folder.glob("ready.*"))) < 3 or len(list(folder.glob("spare.*"))) < spares:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                outputs([p for p in procs if p.poll() is not None], timeout=5)
             time.sleep(0.1)
-        os.killpg(ranks[lost].pid, signal.SIGKILL)
-        survivors = [p for r, p in enumerate(ranks) if r != lost]
-        outs = outputs(survivors, timeout=180)
-        assert [p.returncode for p in survivors] == [0, 0], outs
+        os.killpg(procs[lost].pid, signal.SIGKILL)
+        rest = [p for r, p in enumerate(procs) if r != lost]
+        outs = outputs(rest, timeout=180)
+        assert [p.returncode for p in rest] == [0] * len(rest), outs
         seen = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-        kept = tuple(r for r in range(3) if r != lost)
-        assert [(s["old_rank"], s["rank"], s["world"], tuple(s["members"])) for s in seen] == \
-               [(r, i, 2, kept) for i, r in enumerate(kept)]
-        assert [s["last_sum"] for s in seen] == [2.0, 2.0]  # the new group's all-reduce: the two survivors
-        assert [s["pid"] for s in seen] == [p.pid for p in survivors]  # the same processes went on
+        assert [s["pid"] for s in seen] == [p.pid for p in rest]  # the same processes went on: none started
+        return seen
     finally:
-        for p in ranks:
+        for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
         store.terminate()
         store.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("lost", [0, 2])
+def test_the_survivors_of_a_killed_rank_regroup_without_a_new_process(tmp_path: Path, lost: int) -> None:
+    """Rank 0 (the store's usual host) or the last rank: the two others go on in a group of two."""
+    seen = run_job(tmp_path, lost)
+    kept = tuple(r for r in range(3) if r != lost)
+    assert [(s["origin"], s["rank"], s["world"], tuple(s["members"])) for s in seen] == \
+           [(r, i, 2, kept) for i, r in enumerate(kept)]
+    assert [s["last_sum"] for s in seen] == [2.0, 2.0]  # the new group's all-reduce: the two survivors
+
+
+def test_a_warm_spare_takes_the_lost_ranks_place(tmp_path: Path) -> None:
+    """A spare process started beside the job waits at the store; when rank 1 is killed it joins the survivors'
+    next generation (the world stays 3), takes the count of steps done from the new rank 0, and trains on."""
+    seen = run_job(tmp_path, lost=1, spares=1)
+    assert [(s["origin"], s["rank"], s["world"], tuple(s["members"])) for s in seen] == \
+           [(0, 0, 3, (0, 2, 3)), (2, 1, 3, (0, 2, 3)), (3, 2, 3, (0, 2, 3))]
+    assert [s["last_sum"] for s in seen] == [3.0, 3.0, 3.0]
+    assert len({s["done"] for s in seen}) == 1  # the spare went on from where the survivors were

@@ -37,9 +37,12 @@ class Place:
         return Place(0, rank, world_size, tuple(range(world_size)))
 
 
-def decide(known: Iterable[int], lost: set[int], joined: set[int]) -> tuple[int, ...]:
-    """The members of the next generation: the known ranks that are not lost and have joined, in order."""
-    return tuple(r for r in sorted(known) if r not in lost and r in joined)
+def decide(known: Iterable[int], lost: set[int], joined: set[int], spares: Iterable[int] = (),
+           size: int = 0) -> tuple[int, ...]:
+    """The members of the next generation: the known ranks that are not lost and have joined, in order, then waiting
+    spares (not lost) in the lost ranks' places, up to ``size`` members in all."""
+    members = [r for r in sorted(known) if r not in lost and r in joined]
+    return tuple(members + [r for r in spares if r not in lost][:max(0, size - len(members))])
 
 
 class Presence:
@@ -65,8 +68,8 @@ class Presence:
 def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout: float = 60.0,
          sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Place:
     """Join ``generation`` as rank ``origin`` of the first generation (the name ranks go by); the first to arrive
-    decides the members. A rank neither lost nor joined within ``timeout`` (hung) is left out. Raises RuntimeError
-    if this rank is not among the members (it came too late)."""
+    decides the members, with waiting spares in the lost ranks' places. A rank neither lost nor joined within
+    ``timeout`` (hung) is left out. Raises RuntimeError if this rank is not among the members (it came too late)."""
     prefix = f"generation/{generation}"
     store.set(f"{prefix}/joined/{origin}", "1")
     if int(store.add(f"{prefix}/arrived", 1)) == 1:
@@ -77,12 +80,47 @@ def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout
             if set(ranks) <= lost | joined or clock() > deadline:
                 break
             sleep(0.01)  # a survivor still on its way out of the failed collective
-        store.set(f"{prefix}/members", ",".join(map(str, decide(ranks, lost, joined))))
+        spares = waiting_spares(store)
+        members = decide(ranks, lost | {r for r in spares if store.check([f"lost/{r}"])}, joined, spares, len(ranks))
+        for r in members:
+            if r in spares:
+                store.set(f"spare/{r}/generation", str(generation))  # a spare waits on this key (take_place)
+        store.set(f"{prefix}/members", ",".join(map(str, members)))
+    return place_in(store, generation, origin, timeout)
+
+
+def place_in(store: Any, generation: int, origin: int, timeout: float) -> Place:
+    """``origin``'s place among ``generation``'s members, once they are decided."""
+    prefix = f"generation/{generation}"
     store.wait([f"{prefix}/members"], timedelta(seconds=timeout))
     members = tuple(int(r) for r in store.get(f"{prefix}/members").decode().split(",") if r)
     if origin not in members:
         raise RuntimeError(f"rank {origin} was left out of generation {generation} (members {list(members)})")
     return Place(generation, members.index(origin), len(members), members)
+
+
+def offer_spare(store: Any, origin: int) -> None:
+    """Put this waiting process (``origin``: a number no rank has, e.g. world size + n) on the spares' list."""
+    store.set(f"spares/{int(store.add('spares/count', 1)) - 1}", str(origin))
+
+
+def waiting_spares(store: Any) -> list[int]:
+    """The offered spares that no generation has taken yet, in the order they were offered."""
+    offered = [int(store.get(f"spares/{i}").decode()) for i in range(int(store.add("spares/count", 0)))]
+    return [r for r in offered if not store.check([f"spare/{r}/generation"])]
+
+
+def take_place(store: Any, origin: int, wait_s: float = 60.0) -> Place:
+    """Block until a generation takes this spare (a rank was lost); its place there. Waits in ``wait_s`` slices, for
+    as long as the job runs."""
+    while True:
+        try:
+            store.wait([f"spare/{origin}/generation"], timedelta(seconds=wait_s))
+            break
+        except RuntimeError:  # DistStoreError: this slice passed with nobody lost
+            continue
+    generation = int(store.get(f"spare/{origin}/generation").decode())
+    return place_in(store, generation, origin, wait_s)
 
 
 def form(store: Any, place: Place, backend: str, timeout: timedelta) -> None:
