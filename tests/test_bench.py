@@ -96,3 +96,15 @@ def test_the_streams_section_shows_the_ratios_and_memory() -> None:
     text = "\n".join(streams.section(r))
     assert "## 13. Sharded data" in text and "÷ webdataset's pipeline" in text and "shuffle buffer 10,000" in text
     assert streams.section(None)[2].startswith("Not measured yet")
+
+
+def test_the_regroup_section_shows_each_paths_times_in_milliseconds() -> None:
+    from benchmarks import regroup
+
+    runs = [{"path": "shrink", "world_after": 2, "kill_to_first_collective_s": k, "regrouped_s": [0.012, 0.03]}
+            for k in (0.07, 0.075)] + [{"path": "spare", "world_after": 3, "kill_to_first_collective_s": 0.1,
+                                        "regrouped_s": [0.05, 0.06]}]
+    text = "\n".join(regroup.section({"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-27", "runs": runs,
+                                      "command": "python -m benchmarks.regroup --repeats 2"}))
+    assert "| shrink | 0 | 2 | 72 (70–75) | 21 (12–30) |" in text
+    assert "| spare | 1 | 3 | 100 (100–100) | 55 (50–60) |" in text
