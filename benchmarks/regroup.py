@@ -24,30 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, clean_env, machine, show, spread, standalone
+from trainer.store import start as start_store
 
 SCRIPT = ROOT / "tests" / "scripts" / "regroup_rank.py"
 PATHS = {"shrink": (0, 0), "spare": (1, 1)}
 """Each path's (rank killed, spares waiting)."""
 
 
-def start_store(folder: Path) -> tuple[subprocess.Popen[str], list[str]]:
-    port_file = folder / "port"
-    store = subprocess.Popen([sys.executable, "-m", "trainer.store", "--host", "127.0.0.1", "--port-file",
-                              str(port_file)], cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, text=True)
-    while not port_file.exists():
-        if store.poll() is not None:
-            raise RuntimeError("python -m trainer.store ended before it listened")
-        time.sleep(0.05)
-    return store, port_file.read_text().split()
-
-
 def one_run(path: str, folder: Path) -> dict[str, Any]:
     """One job of the path: the kill, then what every member that went on printed."""
     folder.mkdir(parents=True)
     lost, spares = PATHS[path]
-    store, ports = start_store(folder)
+    store, ports = start_store(folder / "port", env=clean_env(), cwd=ROOT)
     who = [*map(str, range(3)), *(f"spare:{3 + n}" for n in range(spares))]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "127.0.0.1", *ports, w, "3", str(folder)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "127.0.0.1", *map(str, ports), w, "3", str(folder)], cwd=ROOT,
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for w in who]
     try:

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from trainer.core.regroup import Presence, decide, join
+from trainer.store import start as start_store
 
 from .conftest import ROOT, clean_env, outputs
 
@@ -62,7 +63,7 @@ def test_a_rank_neither_lost_nor_joined_is_left_out_at_the_deadline() -> None:
 
 
 def test_the_store_process_marks_a_rank_lost_when_its_presence_ends_without_done(tmp_path: Path) -> None:
-    store_proc, ports = start_store(tmp_path)
+    store_proc, ports = start_store(tmp_path / "port", env=clean_env(), cwd=ROOT)
     try:
         client = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
         quits, dies = Presence("127.0.0.1", ports[1], 3), Presence("127.0.0.1", ports[1], 4)
@@ -75,24 +76,10 @@ def test_the_store_process_marks_a_rank_lost_when_its_presence_ends_without_done
         assert store_proc.wait(timeout=60) == 0
 
 
-def start_store(folder: Path) -> tuple[subprocess.Popen[str], tuple[int, int]]:
-    """``python -m trainer.store`` on free ports, once it listens."""
-    port_file = folder / "port"
-    store = subprocess.Popen([sys.executable, "-m", "trainer.store", "--host", "127.0.0.1", "--port-file",
-                              str(port_file)], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not port_file.exists():
-        assert store.poll() is None and time.monotonic() < deadline, store.communicate()[0]
-        time.sleep(0.1)
-    first, second = port_file.read_text().split()
-    return store, (int(first), int(second))
-
-
 def run_job(folder: Path, lost: int, spares: int = 0) -> list[dict[str, object]]:
     """Three ranks (and ``spares`` warm spares) of tests/scripts/regroup_rank.py on a store process; rank ``lost`` is
     SIGKILLed from outside once every rank has done 10 all-reduces. What each process that went on printed."""
-    store, ports = start_store(folder)
+    store, ports = start_store(folder / "port", env=clean_env(), cwd=ROOT)
     procs: list[subprocess.Popen[str]] = []
     try:
         for who in [*map(str, range(3)), *(f"spare:{3 + n}" for n in range(spares))]:

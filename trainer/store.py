@@ -9,12 +9,13 @@ SIGINT. ``--port 0`` takes free ports; ``--port-file`` gets "STORE_PORT PRESENCE
 from __future__ import annotations
 
 import argparse
-import os
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,23 @@ def watch_presence(server: socket.socket, store: Any) -> None:
                 store.set(f"lost/{words[0]}", "1")
 
 
+def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
+          timeout: float = 120.0) -> tuple[subprocess.Popen[str], tuple[int, int]]:
+    """Start ``python -m trainer.store`` on this host's loopback and free ports; once it listens, the process and
+    its (store, presence) ports. RuntimeError, with what it printed, if it ends or does not listen in ``timeout``."""
+    store = subprocess.Popen([sys.executable, "-m", "trainer.store", "--host", "127.0.0.1", "--port-file",
+                              str(port_file)], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if store.poll() is not None or time.monotonic() > deadline:
+            store.kill()
+            raise RuntimeError(f"python -m trainer.store did not listen: {store.communicate()[0]}")
+        time.sleep(0.05)
+    first, second = port_file.read_text().split()
+    return store, (int(first), int(second))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.store", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--host", default="0.0.0.0", help="the address to listen on")
@@ -54,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, help="write 'STORE_PORT PRESENCE_PORT' here once both listen")
     args = parser.parse_args(argv)
     import torch.distributed as dist  # after parsing: --help needs no torch
+
+    from trainer.core.files import write_atomic
 
     done = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, done)  # before any thread: sigwait below takes them
@@ -63,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_presence, args=(presence, store), name="presence", daemon=True).start()
     ports = f"{store.port} {presence.getsockname()[1]}"
     if args.port_file:
-        tmp = args.port_file.with_name(args.port_file.name + ".tmp")
-        tmp.write_text(ports + "\n")
-        os.replace(tmp, args.port_file)
+        write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
     signal.sigwait(done)
     return 0

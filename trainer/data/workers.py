@@ -98,8 +98,7 @@ def start_workers(*loaders: Any) -> None:
     """Fork each persistent DataLoader's workers now (checked), not at its first pass; the batches it reads ahead are
     dropped when that pass starts (as between epochs). Anything else is left alone."""
     for loader in loaders:
-        if isinstance(loader, DataLoader) and loader.num_workers and loader.persistent_workers \
-                and getattr(loader, "_iterator", None) is None:
+        if isinstance(loader, DataLoader) and loader.persistent_workers and getattr(loader, "_iterator", None) is None:
             checked_iter(loader)
 
 
