@@ -135,21 +135,15 @@ class RanksTimedOut(subprocess.TimeoutExpired):
 
 def ranks_timed_out(ranks: list[Any], readers: list[threading.Thread], outs: list[tuple[str, str]], args: list[str],
                     timeout: float) -> RanksTimedOut:
-    """Every rank still running dumps its stacks, and so do its loader workers (SIGABRT to its process group:
-    PYTHONFAULTHANDLER=1, clean_env), then is killed."""
+    """Every rank still running dumps its stacks, and so do its loader workers, then is killed."""
     alive = [i for i, t in enumerate(readers) if t.is_alive()]
-    waits = "".join(f"--- rank {i}: where the kernel holds its processes\n{kernel_waits(ranks[i].pid)}" for i in alive)
-    for i in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(ranks[i].pid, signal.SIGABRT)
+    waits = _dump_stacks(ranks, alive)
     for i in alive:
         readers[i].join(5)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(ranks[i].pid, signal.SIGKILL)
         readers[i].join(30)
-    tails = "".join(f"--- rank {i}{' (still running at the timeout)' if i in alive else ''}\n{(o + (e or ''))[-12000:]}\n"
-                    for i, (o, e) in enumerate(outs))
-    return RanksTimedOut(args, timeout, waits + tails)
+    return RanksTimedOut(args, timeout, waits + _tails([o + (e or "") for o, e in outs], alive))
 
 
 def outputs(procs: list[Any], timeout: float) -> list[str]:
@@ -166,13 +160,8 @@ def outputs(procs: list[Any], timeout: float) -> list[str]:
 
 
 def _outlived(procs: list[Any], outs: list[str], first: int, timeout: float) -> RanksTimedOut:
-    alive = [p for p in procs[first:] if p.poll() is None]
-    waits = "".join(f"--- pid {p.pid}: where the kernel holds its process group\n{kernel_waits(p.pid)}" for p in alive)
-    for p in alive:
-        try:
-            os.killpg(p.pid, signal.SIGABRT)  # a leader of its own group (spawn_ranks)
-        except (ProcessLookupError, PermissionError):
-            p.send_signal(signal.SIGABRT)
+    alive = [i for i in range(first, len(procs)) if procs[i].poll() is None]
+    waits = _dump_stacks(procs, alive)
     for p in procs[first:]:
         try:
             out = p.communicate(timeout=10)[0]
@@ -182,9 +171,26 @@ def _outlived(procs: list[Any], outs: list[str], first: int, timeout: float) -> 
             p.kill()
             out = p.communicate(timeout=30)[0]
         outs.append(out or "")
-    tails = "".join(f"--- process {i}{' (still running at the timeout)' if p in alive else ''}\n{o[-12000:]}\n"
-                    for i, (p, o) in enumerate(zip(procs, outs, strict=True)))
-    return RanksTimedOut(procs[first].args, timeout, waits + tails)
+    return RanksTimedOut(procs[first].args, timeout, waits + _tails(outs, alive))
+
+
+def _dump_stacks(procs: list[Any], alive: list[int]) -> str:
+    """Where each still-running process (``alive``: indices) and its group wait in the kernel; then SIGABRT to each
+    group, so that every process of it dumps its Python stacks into its output (PYTHONFAULTHANDLER=1, clean_env)."""
+    waits = "".join(f"--- rank {i}: where the kernel holds its processes\n{kernel_waits(procs[i].pid)}" for i in alive)
+    for i in alive:
+        try:
+            os.killpg(procs[i].pid, signal.SIGABRT)  # a leader of its own group (spawn_ranks)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                procs[i].send_signal(signal.SIGABRT)
+    return waits
+
+
+def _tails(texts: list[str], alive: list[int]) -> str:
+    """The end of each process's output, the ones that outlived the timeout marked."""
+    return "".join(f"--- rank {i}{' (still running at the timeout)' if i in alive else ''}\n{t[-12000:]}\n"
+                   for i, t in enumerate(texts))
 
 
 def kernel_waits(group: int) -> str:
