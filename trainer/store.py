@@ -2,7 +2,8 @@
 
 Held by rank 0, the store would end with it; held here, any rank may be lost and the others regroup on it
 (``trainer.core.regroup``). Beside the store it listens for each rank's presence connection (a second port) and marks
-a rank ``lost/<rank>`` in the store the moment its connection closes without a ``done``. It serves until SIGTERM or
+a rank ``lost/<rank>`` in the store the moment its connection closes without a ``done`` (with one, ``ended/<rank>``:
+its peers' failed collectives are then no lost peer's). It serves until SIGTERM or
 SIGINT. ``--port 0`` takes free ports; ``--port-file`` gets "STORE_PORT PRESENCE_PORT" (atomically) once both listen.
 """
 
@@ -44,8 +45,8 @@ def watch_presence(server: socket.socket, store: Any) -> None:
             sel.unregister(sock)
             sock.close()
             words = seen.pop(sock).decode(errors="replace").split()
-            if words and words[0].isdigit() and "done" not in words[1:]:
-                store.set(f"lost/{words[0]}", "1")
+            if words and words[0].isdigit():
+                store.set(f"{'ended' if 'done' in words[1:] else 'lost'}/{words[0]}", "1")
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,

@@ -2,6 +2,9 @@
 
     python elastic_loop.py run.dir=RUN [dist.strategy=fsdp] [checkpoint.poll_steps=1]
     python elastic_loop.py --shards DIR --workers N run.dir=RUN …     # JSONL shards {"id", "x"} (trainer.Shards)
+    python elastic_loop.py --stop K --pace 0.05 run.dir=RUN …         # end at step K; sleep between steps
+
+With TRAINER_STORE set the survivors of a lost rank go on in place (the documented ``except RuntimeError`` pattern).
 
 Each sample is (id, x, y). Every optimizer step all ranks gather the ids they trained on; rank 0 appends
 ``{"step", "world", "ranks": [[ids of rank 0], …], "ids": sorted}`` to RUN/trace.jsonl, the per-sample ledger that
@@ -11,6 +14,7 @@ writes the whole parameters to RUN/final.pt.
 
 import argparse
 import json
+import time
 from typing import Any
 
 import torch
@@ -54,10 +58,22 @@ def data(shards: str | None) -> tuple[Dataset[Any], int]:
     return TensorDataset(torch.arange(N), x, (x.sum(1) > 0).long()), D
 
 
+def trace(sess: trainer.Session, step: int, ids: list[int]) -> None:
+    """Every rank's sample ids of ``step``, appended by rank 0 to RUN/trace.jsonl."""
+    everyone: list[list[int]] = [[] for _ in range(sess.env.world_size)]
+    dist.all_gather_object(everyone, ids)
+    if sess.is_main:
+        with open(sess.run_dir / "trace.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "world": sess.env.world_size, "ranks": everyone,
+                                "ids": sorted(sum(everyone, []))}) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shards")
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--stop", type=int, default=0, help="the last step (default: the data's)")
+    p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     args, overrides = p.parse_known_args()
     sizes = SHARDS if args.shards else TENSORS
     with trainer.Session(overrides) as sess:
@@ -68,26 +84,27 @@ def main() -> int:
                              num_workers=args.workers)
         start = sess.restore(model=model, optimizer=opt, loader=loader)
         batches = loader.forever()
-        for step in sess.steps(start, sizes["steps"]):
-            ids = []
-            for micro in range(loader.accumulation):
-                i, xb, yb = next(batches)
-                ids += i.tolist()
-                with sess.no_sync(model, skip=micro < loader.accumulation - 1):
-                    loss = nn.functional.cross_entropy(model(xb), yb) / loader.accumulation
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            everyone: list[list[int]] = [[] for _ in range(sess.env.world_size)]
-            dist.all_gather_object(everyone, ids)
-            if sess.is_main:
-                with open(sess.run_dir / "trace.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "world": sess.env.world_size, "ranks": everyone,
-                                        "ids": sorted(sum(everyone, []))}) + "\n")
-            if sess.should_save(step):
-                sess.save(step)
-                if sess.preempted:
-                    break
+        while True:
+            try:
+                for step in sess.steps(start, args.stop or sizes["steps"]):
+                    ids = []
+                    for micro in range(loader.accumulation):
+                        i, xb, yb = next(batches)
+                        ids += i.tolist()
+                        with sess.no_sync(model, skip=micro < loader.accumulation - 1):
+                            loss = nn.functional.cross_entropy(model(xb), yb) / loader.accumulation
+                        loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    trace(sess, step, ids)
+                    time.sleep(args.pace)
+                    if sess.should_save(step):
+                        sess.save(step)
+                        if sess.preempted:
+                            break
+                break
+            except RuntimeError as exc:  # a lost peer: the survivors go on from the newest step they hold
+                start = sess.regroup(exc)
         code = sess.finish()
         whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                  for n, p in sess.model.named_parameters()}  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -12,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.core.env import DistEnv
+from trainer.core.env import DistEnv, StoreAddress
 from trainer.core.errors import UserError
+from trainer.core.regroup import Membership
 from trainer.core.schema import Config
 
 _HOST_GROUP: Any = None
@@ -87,9 +89,9 @@ def resolve_master(env: DistEnv) -> str:
         ) from None
 
 
-def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
-    """Join the process group of all ranks; a lone process gets an in-memory group (no port needed)."""
-    global _HOST_GROUP
+def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress | None = None) -> Membership | None:
+    """Join the process group of all ranks; a lone process gets an in-memory group (no port needed). With ``store``
+    (the job's store in a process of its own) through it, and this rank's membership, which can regroup, returned."""
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend", "nccl needs CUDA devices", "use dist.backend=gloo (or auto) on the CPU")
@@ -97,11 +99,38 @@ def setup(env: DistEnv, cfg: Config, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.world_size == 1:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        return
-    _join(env, backend, timeout, device)
-    # Collective: every rank makes it here, in the same order. gloo's default group already works on host tensors.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)  # type: ignore[attr-defined]
+        return None
+    membership = None
+    if store:
+        try:
+            membership = Membership(store.host, store.port, store.presence, env.rank, env.world_size, backend, timeout)
+        except (RuntimeError, OSError) as exc:
+            raise UserError("TRAINER_STORE", f"rank {env.rank}: the job's store at {store.host}:{store.port} did "
+                            f"not answer: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}",
+                            "start python -m trainer.store first (the batch script does), or unset TRAINER_STORE") \
+                from None
+    else:
+        _join(env, backend, timeout, device)
+    _host_group(backend)
+    return membership
+
+
+def regroup(membership: Membership, env: DistEnv) -> DistEnv:
+    """Collective among the survivors of a failed collective (and spares taking lost ranks' places): leave the
+    failed group, make the next generation's, and return ``env`` with this rank's place in it. Nothing may hold the
+    failed group any more (DDP's reducer, an exception's frames): its sockets close only once it is freed, and a
+    survivor waiting in it for this rank learns of the loss from that."""
+    global _HOST_GROUP
+    _HOST_GROUP = None
+    place = membership.next()
+    _host_group(membership.backend)
+    return dataclasses.replace(env, rank=place.rank, world_size=place.world_size)
+
+
+def _host_group(backend: str) -> None:
+    """Collective: every rank makes it here, in the same order. gloo's default group already works on host tensors."""
+    global _HOST_GROUP
     _HOST_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else None
 
 

@@ -29,6 +29,7 @@ TRAINER_VARIABLES = (
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
     "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_NODES", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
+    "TRAINER_STORE",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -103,6 +104,31 @@ class JobInfo:
     resizable: bool = False
     """TRAINER_NODES=MIN-MAX with MIN < MAX (a node range's batch script): the job may go on with fewer nodes or be
     requeued onto more, so a loader without a global batch keeps its first attempt's."""
+    store: StoreAddress | None = None
+    """TRAINER_STORE=HOST:PORT:PRESENCE_PORT: the job's store runs in a process of its own (``python -m
+    trainer.store``), so the survivors of a lost rank regroup without a restart (``Session.regroup``)."""
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where ``python -m trainer.store`` serves: its store's port and its presence port, on one host."""
+
+    host: str
+    port: int
+    presence: int
+
+    @staticmethod
+    def parse(text: str) -> StoreAddress | None:
+        """``HOST:PORT:PRESENCE_PORT`` (None when empty), or a UserError naming TRAINER_STORE."""
+        if not text:
+            return None
+        host, _, ports = text.rpartition(":")
+        host, _, port = host.rpartition(":")
+        if not (host and port.isdigit() and ports.isdigit() and 0 < int(port) < 65536 and 0 < int(ports) < 65536):
+            raise UserError("TRAINER_STORE", f"must be HOST:PORT:PRESENCE_PORT, got {text!r}",
+                            "python -m trainer.store --port-file F writes the two ports; unset it to rendezvous "
+                            "at MASTER_ADDR:MASTER_PORT (no regrouping)")
+        return StoreAddress(host.strip("[]"), int(port), int(ports))
 
 
 def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
@@ -134,7 +160,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         in_place=env.get("TRAINER_IN_PLACE") == "1",
         end_time=_positive(env.get("SLURM_JOB_END_TIME"), 0.0) or None,
         memory_dir=env.get("TRAINER_MEMORY_DIR") or "/dev/shm",
-        resizable=_ranged(env.get("TRAINER_NODES", "")),
+        resizable=_ranged(env.get("TRAINER_NODES", "")) or bool(env.get("TRAINER_STORE")),
+        store=StoreAddress.parse(env.get("TRAINER_STORE", "")),
     )
 
 

@@ -138,3 +138,41 @@ def next_group(store: Any, place: Place, known: Iterable[int], backend: str, tim
     place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds())
     form(store, place, backend, timeout)
     return place
+
+
+def lost_members(store: Any, members: Iterable[int], wait_s: float = 2.0, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> list[int]:
+    """The ``members`` (first-generation ranks) the store marked lost, waiting up to ``wait_s`` for one: a failed
+    collective may be seen before the store has seen the connection close. Empty when none is: a member that ended
+    on purpose (``ended/<rank>``: finished, or failed on its own) or an error that is not a lost peer."""
+    members, deadline = list(members), clock() + wait_s
+    while True:
+        lost = [r for r in members if store.check([f"lost/{r}"])]
+        if lost or any(store.check([f"ended/{r}"]) for r in members) or clock() > deadline:
+            return lost
+        sleep(0.01)
+
+
+class Membership:
+    """This rank's share of a job whose store is a process of its own: the store client, the presence connection,
+    and its place in the current generation (made with the first generation's group)."""
+
+    def __init__(self, host: str, port: int, presence_port: int, rank: int, world_size: int, backend: str,
+                 timeout: timedelta) -> None:
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+        self.presence = Presence(host, presence_port, rank, timeout.total_seconds())
+        self.place, self.backend, self.timeout, self.known = Place.first(rank, world_size), backend, timeout, world_size
+        form(self.store, self.place, backend, timeout)
+
+    def lost(self, wait_s: float = 2.0) -> list[int]:
+        """The current members the store marked lost (see ``lost_members``)."""
+        return lost_members(self.store, self.place.members, wait_s)
+
+    def next(self) -> Place:
+        """The next generation's place, its group made (see ``next_group``)."""
+        self.place = next_group(self.store, self.place, range(self.known), self.backend, self.timeout)
+        return self.place
+
+    def close(self) -> None:
+        """This rank ends on purpose (finished, or failed on its own): not lost."""
+        self.presence.close()

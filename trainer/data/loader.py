@@ -78,6 +78,8 @@ class Loader:
         another split starts there)."""
         self.position = 0
         """Batches of this epoch this rank has handed out."""
+        self.resets = 0
+        """How often ``reshape`` moved the position: a running ``forever()`` starts over from it."""
 
     def _build(self, plan: BatchPlan | None) -> None:
         """The sampler and DataLoader for ``plan`` (None: ``cap`` samples per batch, no global batch)."""
@@ -172,14 +174,26 @@ class Loader:
         self.epoch, self.position, self.base = self.epoch + 1, 0, 0
 
     def forever(self) -> Iterator[Any]:
-        """Batch after batch across epochs."""
+        """Batch after batch across epochs; after a ``reshape`` (a regroup), from its position on."""
         while True:
-            empty = True
+            empty, resets = True, self.resets
             for batch in self:
+                if self.resets != resets:  # read before the reshape: the new split starts afresh
+                    break
                 empty = False
                 yield batch
-            if empty and self.position == 0:
+                if self.resets != resets:
+                    break
+            if empty and self.position == 0 and self.resets == resets:
                 raise ValueError("the training set yields no batches on this rank")
+
+    def reshape(self, env: DistEnv, state: dict[str, int]) -> None:
+        """Go on as ``env``'s rank from ``state`` (a ``state_dict`` taken at a step's start): the same global batches
+        on the new number of processes, as a resume from a checkpoint would. A running ``forever()`` follows."""
+        self.env, self.world_size, self.rank = env, env.world_size, env.rank
+        self._build(plan(self.plan.global_batch, env.world_size, self.cap) if self.fixed and self.plan else None)
+        self.load_state_dict(state)
+        self.resets += 1
 
     def state_dict(self) -> dict[str, int]:
         """The position, and as ``samples`` the samples of this epoch consumed by all ranks together."""
@@ -240,6 +254,12 @@ def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_ba
         say(f"{dataset.describe()}; {len(made) // made._micro_per_step:,} steps of {global_batch} samples per epoch "
             f"(the last {len(dataset) % global_batch} samples of each epoch's order are left out, as drop_last does)")
     return made
+
+
+def reshard(loader: DataLoader[Any], env: DistEnv) -> None:
+    """An evaluation loader's shard for ``env``'s rank after a regroup (its next pass covers the set again)."""
+    if isinstance(loader.sampler, ShardSampler):
+        loader.sampler.indices = ShardSampler(len(loader.dataset), env).indices  # type: ignore[arg-type]
 
 
 def eval_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, **kwargs: Any) -> DataLoader[Any]:

@@ -8,6 +8,7 @@ nodes cannot hold) is decided before the first byte is written: bad input leaves
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,10 +90,41 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
     tracker = Tracker(cfg, env, job, run.path)
     tracker.start(config, restored.run_id)
     group = open_group(s, run, model, objects, restored.step, events, snapshots, wrapper)
-    checkpointer = open_checkpointer(s.sharded, run.checkpoints, env.is_main, cfg.checkpoint.keep,
-                                     on_write=heartbeat.alive, model=model)
-    saves = Saves(checkpointer, group.policy, heartbeat, events, env.is_main, restored.resumed)
+    saves = _saves(s, run, group, heartbeat, events, restored, model)
     return Parts(run, events, heartbeat, Reports(run.path, env, job.pruning), snapshots, restored, tracker, group, saves)
+
+
+def _saves(s: Setup, run: RunDir, group: Group, heartbeat: Heartbeat, events: EventLog, restored: Resumption,
+           model: nn.Module | None) -> Saves:
+    checkpointer = open_checkpointer(s.sharded, run.checkpoints, s.env.is_main, s.cfg.checkpoint.keep,
+                                     on_write=heartbeat.alive, model=model)
+    return Saves(checkpointer, group.policy, heartbeat, events, s.env.is_main, restored.resumed)
+
+
+def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[str, Any], step: int,
+                    config: dict[str, Any], wrapper: nn.Module | None = None) -> Parts:
+    """Collective, after a regroup (``s.env``: this rank's new place): the parts that hold the group, or that only
+    rank 0 has, made again from ``step`` on. The run folder, the restore and the hang watchdog stay; a rank that
+    becomes rank 0 opens the event log and the tracker (the run's W&B id is in its folder)."""
+    env = s.env
+    p.group.audit.close()
+    try:  # a background save of the old group: finished, or failed with it (the newest complete one stands)
+        p.saves.checkpointer.wait()
+    except (RuntimeError, OSError) as exc:
+        s.say(f"note: a background save did not finish before the regroup: {exc}")
+    run, events, tracker = RunDir(p.run.path, env), p.events, p.tracker
+    if env.is_main and not p.run.env.is_main:
+        events, tracker = EventLog(run.path), Tracker(s.cfg, env, s.job, run.path)
+        tracker.start(config, p.restored.run_id)
+    snapshots = p.snapshots
+    if snapshots:
+        snapshots.close(finished=False)
+        snapshots = Snapshots.open(s.cfg, env, s.job, run.path, s.sharded, model, events.emit)
+    group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
+    saves = _saves(s, run, group, p.heartbeat, events, p.restored, model)
+    saves.saved_step, saves.last_path, saves.stall_s = p.saves.saved_step, p.saves.last_path, p.saves.stall_s
+    return dataclasses.replace(p, run=run, events=events, reports=Reports(run.path, env, s.job.pruning),
+                               snapshots=snapshots, tracker=tracker, group=group, saves=saves)
 
 
 def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str, Any], step: int, events: EventLog,

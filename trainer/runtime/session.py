@@ -40,10 +40,8 @@ from trainer.core import dist as tdist
 from trainer.core import exits, hooks
 from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
-from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
-from trainer.core.records import RequeueMarker
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
@@ -51,9 +49,10 @@ from trainer.runtime import compile_cache
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.health.heartbeat import Heartbeat
-from trainer.runtime.parts import Parts, Setup, open_parts
+from trainer.runtime.parts import Parts, Setup, open_parts, regrouped_parts
 from trainer.runtime.records import attempts
 from trainer.runtime.records.tracking import Tracker
+from trainer.runtime.recovery import Marks, announce, rejoin
 from trainer.runtime.saving.saves import Saves
 from trainer.runtime.saving.signals import Preemption
 from trainer.testing import faults
@@ -83,8 +82,10 @@ class Session:
             tdist.say(self.env, note)
         self._attributes()
         exits.started(self.env.rank)  # a rank that never records its end was killed (the verdict reads these)
-        tdist.setup(self.env, self.cfg, self.device)
-        self.marks = (opened, time.time())  # (opened, process group up): the attempt event's start-up phases
+        self.origin = self.env.rank
+        """This process's rank as started (exit records, faults): ``env.rank`` is its place in the current group."""
+        self.membership = tdist.setup(self.env, self.cfg, self.device, self.job.store)
+        self.opened = (opened, time.time())  # (opened, process group up): the attempt event's start-up phases
         try:  # from here on a failure must not leave the process group behind
             self.preemption = Preemption(self.signals)
             torch.manual_seed(self.cfg.train.seed)
@@ -97,6 +98,7 @@ class Session:
         watchdog, the checkpointer, the save policy, the tracker: trainer/runtime/parts.py): before it, using them
         says so."""
         self.parts: Parts | None = None
+        self.marks: Marks | None = None
         self.objects: dict[str, Any] = {}
         self.loaders: list[Loader | DataLoader[Any]] = []
         self.resumed: Resumed | None = None
@@ -222,13 +224,14 @@ class Session:
         if self.env.is_main:
             self.events.emit("attempt", durable=True, **attempts.started(self.env, self.job, self.started_at, self.step,
                                                                  strategy=self.cfg.dist.strategy,
-                                                                 cpu_threads=torch.get_num_threads(), marks=self.marks,
+                                                                 cpu_threads=torch.get_num_threads(), marks=self.opened,
                                                                  **p.restored.facts))
         p.saves.say_cadence()  # after the attempt event: the report files it under this attempt
         if self.resumed:
             held = " (a snapshot in node memory)" if self.resumed.memory else ""
             self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
         start_workers(*self.loaders)  # now, before the loop's threads (trainer.data.workers)
+        self.marks = Marks(objects, self.step) if self.membership else None
         return self.step
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -237,13 +240,33 @@ class Session:
         _opened(self.parts)
         for step in range(start + 1, stop + 1):
             self.heartbeat.beat("step", step)
-            hooks.current().step_begin(self.steps_here, self.env.rank)
+            hooks.current().step_begin(self.steps_here, self.origin)
             self.step = step
+            if self.marks:
+                self.marks.begin(step)
             yield step
             self.steps_here += 1
             if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
                 self.events.emit("first_step", step=step, stop=stop)
                 self.heartbeat.start()
+
+    def regroup(self, exc: BaseException) -> int:
+        """Call it from the loop's ``except RuntimeError as exc:`` around ``steps``. When a peer was lost (the job's
+        store, TRAINER_STORE, says so), the survivors form a new group, agree on the newest step they hold and go on
+        from it in this process: the step to continue ``steps`` from. Any other error is raised again."""
+        m, p = self.membership, _opened(self.parts)
+        if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (lost := m.lost()):
+            raise exc
+        began, failed = time.monotonic(), self.env
+        self.env, self.step, exact, rendezvous_s = rejoin(exc, m, self.env, self.model, self.wrapper, self.marks,
+                                                          self.loaders)
+        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
+        self.parts = regrouped_parts(p, setup, self.model, self.objects, self.step,
+                                     {**self.config_dict, **self.extra_config}, self.wrapper)
+        self.events = self.parts.events
+        announce(self.events.emit, self.print, m.place, lost, failed.world_size, self.step, exact, rendezvous_s,
+                 time.monotonic() - began)
+        return self.step
 
     def alive(self) -> None:
         """Progress inside a long phase whose length differs by rank (evaluation batches): refreshes the hang clock."""
@@ -282,7 +305,7 @@ class Session:
         ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
         p = _opened(self.parts)
-        self.request_stop(hooks.current().step_end(self.steps_here + 1, self.env.rank, self.job.warning_signal or
+        self.request_stop(hooks.current().step_end(self.steps_here + 1, self.origin, self.job.warning_signal or
                                                    "SIGUSR2", p.run.path, p.heartbeat.alive,
                                                    lambda: bool(self.preemption.signum)))
         p.heartbeat.beat("flag all-reduce (signals, timed saves)", step)
@@ -342,14 +365,7 @@ class Session:
             return p.group.audit.end()
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
-            why = "deadline" if at_limit else self.preempted_by.name if self.preempted_by else "deadline"
-            run.mark_requeue(RequeueMarker(why, self.step, path))
-            torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
-            head = f"{self.preempted_by.name} received" if self.preempted_by else "the time limit is near"
-            self.print(f"\n{head}: saved {path} at step {self.step}; exiting with {EXIT_REQUEUE} so the launcher "
-                       "requeues")
-            self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=self.step)
-            return EXIT_REQUEUE
+            return self.saves.requeue(run, self.step, self.preempted_by.name if self.preempted_by else None, at_limit)
         outcome = "pruned" if p.reports.pruned else "finished"
         self.summary = summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
@@ -381,6 +397,10 @@ class Session:
                 shutdown_workers(loader.loader if isinstance(loader, Loader) else loader)
             self.events.close()
             self.preemption.restore()
+            if self.marks:
+                self.marks.close()
+            if self.membership:  # ended on purpose, even by an error: the others must not regroup without it
+                self.membership.close()
             tdist.teardown()
 
     def __enter__(self) -> Session:
@@ -388,7 +408,7 @@ class Session:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if exc is not None:  # the loop raised: the report shows how the attempt ended
-            exits.raised(exc, self.env.rank, self.step, self.events.emit)
+            exits.raised(exc, self.origin, self.step, self.events.emit)
         self.close(exit_code=0 if kind is None else 1)
 
 

@@ -41,6 +41,8 @@ class Faults(hooks.Hooks):
     """Sleep this long after every optimizer step (slows a run so signals land mid-training)."""
     oom_at_step: int = -1
     """Raise torch.OutOfMemoryError at the end of this process's step N+1 (-1: never), through the real handler."""
+    oom_rank: int = -1
+    """The rank that ``oom_at_step`` fails (-1: every rank)."""
     hang_at_step: int = -1
     """Rank ``hang_rank`` stops forever as this process's step N+1 starts (-1: never)."""
     hang_rank: int = 1
@@ -150,7 +152,7 @@ class Faults(hooks.Hooks):
         """Called with the count of finished steps; returns a signal number to act on (0: none)."""
         if done == self.kill_at_step + 1 and rank == self.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
-        if done == self.oom_at_step + 1:
+        if done == self.oom_at_step + 1 and self.oom_rank in (-1, rank):
             raise torch.OutOfMemoryError("simulated out of memory (TRAINER_FAULTS oom_at_step)")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

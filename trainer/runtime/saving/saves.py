@@ -7,10 +7,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed
+from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EventLog
+from trainer.core.records import RequeueMarker
 from trainer.runtime.health.heartbeat import Heartbeat
+from trainer.runtime.records.rundir import RunDir
 from trainer.runtime.saving.policy import SavePolicy
 
 
@@ -45,6 +50,18 @@ class Saves:
         self.policy.saved(stall, blocking)
         self.say_cadence()
         return path
+
+    def requeue(self, run: RunDir, step: int, signal: str | None, at_limit: bool) -> int:
+        """Collective, after the save a preemption ``signal`` (None: the time limit near) asked for: the requeue
+        marker, one line, the exit event; the exit code that asks the launcher to requeue."""
+        run.mark_requeue(RequeueMarker("deadline" if at_limit or not signal else signal, step, str(self.last_path)))
+        torch.distributed.barrier()  # the marker exists before any rank exits (srun may then kill the rest)
+        head = f"{signal} received" if signal else "the time limit is near"
+        if self.is_main:
+            print(f"\n{head}: saved {self.last_path} at step {step}; exiting with {EXIT_REQUEUE} so the launcher "
+                  "requeues", flush=True)
+        self.events.emit("exit", durable=True, code=EXIT_REQUEUE, step=step)
+        return EXIT_REQUEUE
 
     def say_cadence(self) -> None:
         """The auto cadence's interval when new or moved: one printed line, and a ``cadence`` event for the report."""

@@ -1,0 +1,186 @@
+"""A session whose rank is lost goes on in place (``Session.regroup``): the survivors keep their processes, form a new
+group on the job's store (python -m trainer.store), agree on the newest step they hold and train on with the same
+global batches. The strongest check: the result equals a restart from a checkpoint at that step, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.core.env import StoreAddress
+from trainer.core.errors import UserError
+from trainer.core.regroup import lost_members
+from trainer.data.batches import plan
+from trainer.data.loader import Loader
+from trainer.store import start as start_store
+
+from .conftest import ROOT, clean_env, outputs, spawn_ranks
+from .test_elastic import env_of
+
+LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
+COMMON = ["tracking.mode=disabled", "run.report=false", "train.device=cpu", "checkpoint.poll_steps=1"]
+
+
+def _events(run: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def _trace(run: Path) -> dict[int, tuple[int, list[int]]]:
+    """Each step's (world size, sample ids), the last line of a step winning."""
+    return {e["step"]: (e["world"], e["ids"]) for e in map(json.loads, (run / "trace.jsonl").read_text().splitlines())}
+
+
+def _ranks(args: list[str], tmp: Path, world: int, env: dict[str, str] | None = None) -> None:
+    procs = spawn_ranks([*COMMON, *args], tmp, world, env, script=LOOP)
+    outs = outputs(procs, timeout=180)
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(outs)
+
+
+def _in_place(tmp: Path, run: Path, lost: int) -> list[str]:
+    """Three ranks on a store process; rank ``lost`` SIGKILLed from outside after step 8. The survivors' output."""
+    store, (port, presence) = start_store(tmp / "ports", env=clean_env(), cwd=ROOT)
+    procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp, 3,
+                        {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}"}, script=LOOP)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "trace.jsonl").exists() or len((run / "trace.jsonl").read_text().splitlines()) < 8:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                outputs([p for p in procs if p.poll() is not None], timeout=5)
+            time.sleep(0.02)
+        os.killpg(procs[lost].pid, signal.SIGKILL)
+        rest = [p for r, p in enumerate(procs) if r != lost]
+        outs = outputs(rest, timeout=180)
+        assert [p.returncode for p in rest] == [0, 0], "\n".join(outs)
+        return outs
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        store.terminate()
+        store.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("lost", [0, 2])
+def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_path: Path, lost: int) -> None:
+    """Rank 0 (its event log and result move to the new rank 0) or the last rank: the two others finish the run in
+    their own processes, and their weights equal those of a run saved at the agreed step and resumed on two."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    outs = _in_place(tmp_path, run, lost)
+    [regroup] = _events(run, "regroup")
+    k = regroup["step"]
+    assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
+           ([lost], [r for r in range(3) if r != lost], 2, True)
+    assert f"regrouped: rank(s) {lost} lost; 2 of 3 processes go on from step {k}" in outs[0]
+    assert json.loads((run / "result.json").read_text())["global_step"] == 30
+    _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
+    _ranks([f"run.dir={ref}"], tmp_path, 2)  # … and resumed from that checkpoint on two
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)  # every step's samples, once each
+    assert {w for s, (w, _) in steps.items() if s > k} == {2}
+    a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 fails on its own (out of memory at step 5): it ends on purpose, so the others' failed collectives
+    are not recovered in place (a bug would only fail again), and every rank exits non-zero; nothing regroups."""
+    run = tmp_path / "run"
+    store, (port, presence) = start_store(tmp_path / "ports", env=clean_env(), cwd=ROOT)
+    try:
+        env = {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}", "TRAINER_FAULTS": "oom_at_step=4 oom_rank=1"}
+        procs = spawn_ranks([*COMMON, f"run.dir={run}"], tmp_path, 3, env, script=LOOP)
+        outs = outputs(procs, timeout=180)
+    finally:
+        store.terminate()
+        store.communicate(timeout=60)
+    assert all(p.returncode not in (0, None) for p in procs), "\n".join(outs)
+    assert "simulated out of memory" in outs[1]
+    assert not _events(run, "regroup") and "regrouped" not in "".join(outs)
+
+
+def test_the_ddp_adapter_swaps_the_group_through_what_it_pins(tmp_path: Path) -> None:
+    """trainer/runtime/ddp_group.py uses DDP's private ``_update_process_group`` and a process group made by hand
+    (``ProcessGroup`` + ``_register_backend`` + ``_set_default_backend``): pinned here, and shown to work on a real
+    DDP (a one-process gloo group) that trains on after a detach and an attach."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainer.runtime import ddp_group
+
+    assert list(inspect.signature(DDP._update_process_group).parameters) == ["self", "new_process_group"]
+    assert all(hasattr(dist.ProcessGroup, n) for n in ("_register_backend", "_set_default_backend"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        model = DDP(torch.nn.Linear(4, 1))
+        ddp_group.detach(model)
+        assert model.process_group is not dist.group.WORLD
+        ddp_group.attach(model)
+        assert model.process_group is dist.group.WORLD
+        model(torch.ones(2, 4)).sum().backward()
+        assert model.module.weight.grad is not None and torch.equal(model.module.weight.grad, torch.full((1, 4), 2.0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("", None),
+    ("n1:15001:15002", StoreAddress("n1", 15001, 15002)),
+    ("[fe80::1]:15001:15002", StoreAddress("fe80::1", 15001, 15002)),
+    ("n1:15001", "must be HOST:PORT:PRESENCE_PORT"),
+    ("n1:0:15002", "must be HOST:PORT:PRESENCE_PORT"),
+    ("a'; echo x:1:2x", "must be HOST:PORT:PRESENCE_PORT"),
+])
+def test_the_store_address_is_parsed_once_or_refused_with_the_fix(text: str, parsed: object) -> None:
+    if isinstance(parsed, str):
+        with pytest.raises(UserError, match=parsed) as err:
+            StoreAddress.parse(text)
+        assert err.value.field == "TRAINER_STORE" and "python -m trainer.store" in err.value.hint
+    else:
+        assert StoreAddress.parse(text) == parsed
+
+
+def test_a_lost_member_is_named_and_one_that_ended_on_purpose_is_none() -> None:
+    """The store marks ``lost/<rank>`` (the connection dropped) or ``ended/<rank>`` (closed with done); with neither
+    the wait ends at its deadline (an injected clock) with nobody lost: the error was no lost peer's."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    assert lost_members(store, [0, 1, 2], 2.0, sleep, lambda: now[0]) == [] and now[0] > 2.0
+    store.set("ended/1", "1")
+    now[0] = 0.0
+    assert lost_members(store, [0, 1, 2], 2.0, sleep, lambda: now[0]) == [] and now[0] == 0.0
+    store.set("lost/2", "1")
+    assert lost_members(store, [0, 2], 2.0, sleep, lambda: now[0]) == [2]
+
+
+def test_a_reshaped_loader_goes_on_as_one_resumed_on_the_new_size_and_forever_follows() -> None:
+    """Three ranks' loaders after two steps; the survivors reshape onto two from the mark of step 3's start: their
+    batches are a fresh two-rank loader's resumed from that mark, and a running ``forever()`` switches to them."""
+    data = torch.utils.data.TensorDataset(torch.arange(60))
+    three = [Loader(data, env_of(r, 3), 4, 3, plan(12, 3, 4)) for r in range(3)]
+    streams = [loader.forever() for loader in three]
+    for stream in streams:
+        for _ in range(2):  # two steps of one micro-batch each
+            next(stream)
+    mark = three[0].state_dict()
+    next(streams[0])  # step 3's batch was read before the loss
+    fresh = [Loader(data, env_of(r, 2), 4, 3, plan(12, 2, 4)) for r in range(2)]
+    for r in range(2):
+        three[r].reshape(env_of(r, 2), mark)
+        fresh[r].load_state_dict(mark)
+        assert three[r].accumulation == 2 and three[r].world_size == 2
+        want = [int(i) for (b,) in list(fresh[r])[:4] for i in b]
+        assert [int(i) for _ in range(4) for i in next(streams[r])[0]] == want

@@ -1,0 +1,134 @@
+"""What survivors need to go on in place after a lost rank, without a file read: where each step started, which
+step the optimizer last finished, and the agreement on the newest step every member holds.
+
+Each step's start is marked on every rank (the loaders' positions and the random generators: a few integers and
+one generator state, no model copy). An optimizer step post-hook tells a finished step from an interrupted one: a
+rank that failed before its optimizer step holds the step before, one that failed after it (in the save poll, a
+collective of its own) holds the step. The new group takes the newest step any member holds; a member behind it,
+or a spare with nothing, gets the model, the optimizer and the rest from the first member that holds it (DDP's
+replicas are equal, so any one of them will do). The loaders go on from that step's end on the new world size, as
+a resume from a checkpoint at that step would; each rank keeps its own random stream.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from trainer.checkpoint.rng import rng_state, set_rng_state
+from trainer.checkpoint.state import PerRank, load_into, state_of
+from trainer.core import dist as tdist
+from trainer.core.env import DistEnv
+from trainer.core.regroup import Membership, Place
+from trainer.data.loader import Loader, reshard
+from trainer.runtime import ddp_group
+from trainer.runtime.buckets import prime_when_resumed
+
+
+class Marks:
+    """Where this rank's current step started, and the last step its optimizer finished."""
+
+    def __init__(self, objects: dict[str, Any], step: int) -> None:
+        self.objects = objects
+        self.loaders = {n: o for n, o in objects.items() if isinstance(o, Loader)}
+        self.done = self.current = step
+        self.start: tuple[dict[str, dict[str, int]], dict[str, Any]] | None = None
+        self.hooks = [o.register_step_post_hook(lambda *_: self._stepped())
+                      for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+
+    def _stepped(self) -> None:
+        self.done = self.current
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts now: the loaders' positions and the random state as it begins."""
+        self.current = step
+        self.start = ({n: o.state_dict() for n, o in self.loaders.items()}, rng_state())
+
+    def resume_point(self) -> tuple[dict[str, dict[str, int]], dict[str, Any] | None]:
+        """(the loaders' positions, the random state) at the end of step ``done``: the mark of the step after it,
+        or now when that step's optimizer step was this rank's last act (nothing read since)."""
+        if self.done == self.current or self.start is None:
+            return {n: o.state_dict() for n, o in self.loaders.items()}, None
+        return self.start
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def agree(marks: Marks, env: DistEnv) -> tuple[int, bool]:
+    """Collective in the new group: the newest step a member holds, and whether every member held it (else the
+    ones behind got the state from the first that did: exact, but their random streams ran on a step further)."""
+    held = tdist.gather(marks.done)
+    newest = max(held)
+    source = held.index(newest)
+    positions, rng = marks.resume_point()
+    box: list[Any] = [positions]
+    behind = any(h != newest for h in held)
+    if behind:
+        box.append({n: state_of(o) for n, o in marks.objects.items()
+                    if not isinstance(o, (Loader, PerRank)) and env.rank == source})
+    if env.world_size > 1:
+        dist.broadcast_object_list(box, src=source)
+    if behind and env.rank != source:
+        for name, state in box[1].items():
+            load_into(marks.objects[name], state)
+    for name, loader in marks.loaders.items():
+        loader.reshape(env, box[0][name])
+    if rng is not None and marks.done == newest:
+        set_rng_state(rng)
+    marks.done = marks.current = newest
+    return newest, not behind
+
+
+def let_go(exc: BaseException) -> None:
+    """Free what a failed collective's frames hold (its process group among it) and drop their tracebacks."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if cause.__traceback__ is not None:
+            traceback.clear_frames(cause.__traceback__)
+            cause.__traceback__ = None
+        cause = cause.__context__ or cause.__cause__
+
+
+def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.Module | None,
+           wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]]) -> tuple[DistEnv, int, bool, float]:
+    """Collective among the survivors of ``exc`` (a failed collective): the failed group let go, the next one made,
+    DDP moved onto it, the step agreed and every loader re-split. Returns (this rank's new place, the step to go on
+    from, whether every member held it, seconds to the new group)."""
+    began = time.monotonic()
+    let_go(exc)  # the failed group's last holders: its sockets close, so a survivor waiting on this rank fails too
+    if isinstance(wrapper, DDP):
+        ddp_group.detach(wrapper)
+    env = tdist.regroup(membership, env)
+    joined = time.monotonic() - began
+    if isinstance(wrapper, DDP):
+        ddp_group.attach(wrapper)
+        if env.world_size > 2:  # the buckets a resume at this size sums in (runtime/buckets.py)
+            prime_when_resumed(wrapper, lambda: True)
+    if model is not None:  # the interrupted step's partial gradients: it runs again
+        model.zero_grad(set_to_none=True)
+    step, exact = agree(marks, env)
+    for loader in loaders:
+        if not isinstance(loader, Loader):
+            reshard(loader, env)
+    return env, step, exact, round(joined, 3)
+
+
+def announce(emit: Callable[..., None], say: Callable[[str], None], place: Place, lost: list[int], was: int,
+             step: int, exact: bool, rendezvous_s: float, total_s: float) -> None:
+    """The ``regroup`` event (the first generation's ranks lost, the new members, the breakdown) and one line."""
+    emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
+         world_size=place.world_size, was=was, exact=exact, rendezvous_s=rendezvous_s, total_s=round(total_s, 3))
+    say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {place.world_size} of {was} processes go on from "
+        f"step {step} in {total_s:.2f} s")
