@@ -23,7 +23,7 @@ from trainer.data.batches import plan
 from trainer.data.loader import Loader
 from trainer.store import start as start_store
 
-from .conftest import ROOT, clean_env, outputs, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, outputs, spawn_ranks
 from .test_elastic import env_of
 
 LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
@@ -184,3 +184,36 @@ def test_a_reshaped_loader_goes_on_as_one_resumed_on_the_new_size_and_forever_fo
         assert three[r].accumulation == 2 and three[r].world_size == 2
         want = [int(i) for (b,) in list(fresh[r])[:4] for i in b]
         assert [int(i) for _ in range(4) for i in next(streams[r])[0]] == want
+
+
+def test_the_builtin_trainer_goes_on_in_place_when_a_rank_is_killed(tmp_path: Path) -> None:
+    """``python -m trainer`` on three processes with the job's store; rank 1 SIGKILLed from outside mid-epoch: the
+    other two finish the epoch in their own processes, with the same global batch, and evaluate."""
+    run = tmp_path / "run"
+    store, (port, presence) = start_store(tmp_path / "ports", env=clean_env(), cwd=ROOT)
+    args = [*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16"]
+    env = {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}", "TRAINER_FAULTS": "step_delay_s=0.1"}
+    procs = spawn_ranks(args, tmp_path, 3, env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "events.jsonl").exists() or not _events(run, "first_step"):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                outputs([p for p in procs if p.poll() is not None], timeout=5)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        rest = [procs[0], procs[2]]
+        outs = outputs(rest, timeout=180)
+        assert [p.returncode for p in rest] == [0, 0], "\n".join(outs)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        store.terminate()
+        store.communicate(timeout=60)
+    [regroup] = _events(run, "regroup")
+    assert regroup["lost"] == [1] and regroup["world_size"] == 2 and 0 < regroup["step"] < 21
+    result = json.loads((run / "result.json").read_text())
+    assert result["global_step"] == 21 and result["world_size"] == 2 and "test_accuracy" in result  # 1024 // 48
+    assert "global batch 48 = 3 process(es) × 16 samples × 1 accumulation step(s): the first attempt's, kept" in outs[0]
+    assert f"regrouped: rank(s) 1 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]

@@ -184,53 +184,67 @@ class Trainer:
                                 batch=self.loader.batch_size) from None
 
     def _fit(self) -> int:
-        sess, cfg, env = self.sess, self.cfg, self.sess.env
+        sess, env = self.sess, self.sess.env
         global_batch = self.loader.batch_size * env.world_size * self.accumulation
         sess.print(f"run {sess.run_dir} | {env.world_size} process(es) via {env.source} on {sess.device.type} | "
                    f"{self.record['model']['target']} on {self.record['data']['target']} | global batch {global_batch} "
                    f"| {self.total_steps} steps")
         self.meter, self.samples_seen = Meter(), 0
         bar = progress_bar(env, self.total_steps, sess.step)
-        started, eval_time, first_step_at = time.perf_counter(), 0.0, None
-        scores: dict[str, float] = {}
-        scored_at = -1
+        started, self.eval_time = time.perf_counter(), 0.0
+        self.first_step_at: float | None = None
+        """Wall-clock time.time() as the first optimizer step ended."""
+        self.scores: dict[str, float] = {}
+        self.scored_at = -1
         batches = self.loader.forever()
         self.net.train()
-        for step in sess.steps(sess.step, self.last_step()):
+        start = sess.step
+        while True:
+            try:
+                self._steps(start, batches, bar)
+                break
+            except RuntimeError as exc:  # a lost peer: the survivors go on in place (TRAINER_STORE), else raised
+                start = sess.regroup(exc)
+                self.accumulation = self.loader.accumulation  # the global batch's split on the new world size
+        train_time = time.perf_counter() - started - self.eval_time
+        if bar is not None:
+            bar.close()
+        if sess.preempted:
+            return sess.finish()
+        if self.scored_at != sess.step:
+            self.scores = self.evaluate()
+            self.log_scores(self.scores, sess.step)
+        code = sess.finish(self.result(self.scores, train_time, self.first_step_at))
+        sess.print(f"done: {self.summary(self.scores)}; checkpoint {sess.last_path}")
+        return code
+
+    def _steps(self, start: int, batches: Iterator[Any], bar: Any) -> None:
+        """Steps after ``start`` until the last, a preemption or the sweep's pruner."""
+        sess, cfg = self.sess, self.cfg
+        for step in sess.steps(start, self.last_step()):
             epoch = self.loader.epoch
             self.train_window(batches, min(self.accumulation, self.loader.remaining()))
-            if first_step_at is None:
-                first_step_at = time.time()
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
             self.report(bar, step)
             epoch_done = self.loader.epoch != epoch  # evaluated before any save, and saved as the next epoch's start
             every = cfg.train.eval_every
             if (every and step % every == 0) or (epoch_done and not every and not self.loader.iterable):
                 t_eval = time.perf_counter()
-                scores, scored_at = self.evaluate(), step
-                eval_time += time.perf_counter() - t_eval
-                self.log_scores(scores, step)
-                sess.report(step, {f"test_{k}": v for k, v in scores.items()})  # a sweep's pruner judges these
+                self.scores, self.scored_at = self.evaluate(), step
+                self.eval_time += time.perf_counter() - t_eval
+                self.log_scores(self.scores, step)
+                sess.report(step, {f"test_{k}": v for k, v in self.scores.items()})  # a sweep's pruner judges these
                 if sess.should_prune():
                     sess.print(f"pruned by the sweep at step {step}: the trial ends here")
-                    break
+                    return
             # Iterable sets end their epochs rank by rank: only map-style epoch ends are common to all ranks.
             if sess.should_save(step, force_poll=epoch_done and not self.loader.iterable):
                 sess.save(step)
                 if sess.preempted:
-                    break
+                    return
             if not self.loader.iterable and self.loader.epoch >= cfg.train.epochs:
-                break
-        train_time = time.perf_counter() - started - eval_time
-        if bar is not None:
-            bar.close()
-        if sess.preempted:
-            return sess.finish()
-        if scored_at != sess.step:
-            scores = self.evaluate()
-            self.log_scores(scores, sess.step)
-        code = sess.finish(self.result(scores, train_time, first_step_at))
-        sess.print(f"done: {self.summary(scores)}; checkpoint {sess.last_path}")
-        return code
+                return
 
     def last_step(self) -> int:
         """The step to train to: none further when the resumed run had finished its epochs (on any world size)."""
