@@ -73,6 +73,10 @@ class Profile:
     spare_nodes: int = 0
     """Nodes held beyond `nodes` (sbatch launcher): after an infrastructure failure the next attempt starts at once
     in the allocation without the blamed node, instead of going back to the queue."""
+    regroup: bool = False
+    """The job's store runs in a process of its own on the first node and srun keeps the step when a task dies
+    (--kill-on-bad-exit=0): the survivors of a lost rank go on in place, in their own processes (Session.regroup).
+    srun launch, no container."""
     mtbf_hours: float = 24.0
     """Hours between failures of one node, the prior of `checkpoint.cadence=auto` (exported as TRAINER_MTBF_HOURS)."""
     suspect_hours: float = 24.0
@@ -194,6 +198,9 @@ def validate(p: Profile) -> None:
             raise bad(key, f"{value!r} is not a valid Slurm {key}", f"e.g. {key}: gpu")
     if p.launch not in ("srun", "torchrun"):
         raise bad("launch", f"must be srun or torchrun, got {p.launch!r}", "launch: srun")
+    if p.regroup and (p.launch != "srun" or p.container.runtime != "none"):
+        raise bad("regroup", f"needs launch: srun and no container (got launch: {p.launch}, container: "
+                  f"{p.container.runtime})", "regroup: false, or launch: srun with container: {runtime: none}")
     if p.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
         raise bad("signal", f"unsupported signal {p.signal!r}", "signal: USR2 (USR1 may be taken by NCCL)")
     if p.container.runtime not in ("none", "apptainer", "pyxis", "docker"):

@@ -264,6 +264,30 @@ def test_a_spare_node_takes_over_inside_the_allocation_from_node_memory(slurm_en
     assert not left, left  # the job's end cleared every node's snapshots
 
 
+def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    """regroup: true on three nodes: rank 2 SIGKILLed from outside while the ranks are held after step 5. srun keeps
+    the step, the two others regroup on the job's store in their own processes and finish the run on two nodes; the
+    verdict calls the attempt finished, naming the lost rank's node, and nothing is requeued or restarted."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["nodes=3", "regroup=true"])
+    held(run, ranks=3)
+    node, killed_at = kill_rank(job, 2, 0), time.time()
+    go(run)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
+    assert len(set(result["param_checksums"])) == 1, result  # the two replicas agree
+    [regroup] = events(run, "regroup")
+    assert (regroup["lost"], regroup["world_size"], regroup["step"]) == ([2], 2, 5), regroup
+    [end] = events(run, "attempt_end")
+    assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"], end
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs  # one run of the job, one attempt: no requeue, no restart
+    first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
+    print(f"kill → first step after the regroup: {first_step - killed_at:.2f} s (in place, no process started)")
+
+
 def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     """CMD=: the command (a session script, examples/char_lm) dies of SIGKILL; its wrapper records the kill."""

@@ -89,6 +89,7 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
     ("srun", {"nodes": 2, "spare_nodes": 1}, "spare1"),
     ("torchrun", {"nodes": 2, "spare_nodes": 1}, "spare1"),
     ("srun", {"nodes": 3, "min_nodes": 2, "spare_nodes": 1}, "range2-3-spare1"),
+    ("srun", {"nodes": 3, "regroup": True}, "regroup3"),  # no restart: the survivors go on in place
 ])
 def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, int], name: str) -> None:
     """Spare nodes, and a node range with a spare: the batch script restarts inside its allocation."""
@@ -266,6 +267,8 @@ def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     (["min_nodes=3"], "profile.min_nodes"),
     (["suspect_after=0"], "profile.suspect_after"),
     (["storm_after=-1"], "profile.storm_after"),
+    (["regroup=true", "launch=torchrun"], "profile.regroup"),
+    (["regroup=true", "container.runtime=docker", "container.image=x"], "profile.regroup"),
 ])
 def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
     argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]

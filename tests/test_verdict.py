@@ -19,6 +19,7 @@ from cluster.job.placement import Next, Shape
 from cluster.job.rules import Limits, decide, repeated, storm
 from trainer.core import exits
 from trainer.core.records import AttemptEnd, ExitRecord, RequeueMarker
+from trainer.core.regroup import RegroupFailed
 
 from .conftest import clean_env
 
@@ -75,6 +76,15 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
     # srun's TERM to a command still saving after rank 0 saved and left the marker: an echo, the run is saved
     ([rec(0, "n1", 75, "preempted"), rec(1, "n2", 143, "infrastructure", echo=True, cause="killed by SIGTERM")],
      [], 143, True, "preempted", [], "saved"),
+    # the survivors of a killed rank went on in place (Session.regroup) and finished: the work is done
+    ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", 0, "finished", went_on_without=[2]),
+      rec(2, "n3", None)], [("n3", "2", "Killed")], 137, False, "finished", [],
+     "rank 2 on n3 lost, and the others went on without a restart"),
+    # … but not a rank they did not go on without, nor a survivor that failed afterwards
+    ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", None), rec(2, "n3", None)],
+     [("n2", "1", "Killed")], 137, False, "infrastructure", ["n2"], "rank 1 on n2 was killed"),
+    ([rec(0, "n1", 1, "infrastructure", went_on_without=[2], **ECHO), rec(2, "n3", None)],
+     [("n3", "2", "Killed")], 137, False, "infrastructure", ["n3"], "killed"),
 ]
 
 
@@ -271,6 +281,8 @@ def test_a_storm_of_attempts_without_progress_stops_the_job(progressed: bool | N
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error"), "infrastructure", False),
     (MemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "resource", False),
     (ValueError("shape mismatch"), "user_error", False),
+    # the survivors could not go on in place: an echo of the lost rank (whose node srun's line names), no cause
+    (RegroupFailed("rank(s) 2 lost and the others could not go on in place (UserError: …)"), "infrastructure", True),
 ])
 def test_classify(exc: Exception, kind: str, echo: bool) -> None:
     info = exits.classify(exc)

@@ -98,11 +98,25 @@ def judge(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
         return _first_cause(causes, step)
     if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
+    if went_on := _went_on(records):
+        return Verdict(exits.FINISHED, went_on, step=step)
     if marker and marker.deadline:
         return Verdict(exits.PREEMPTED, DEADLINE, step=step, deadline=True)
     if marker or (rc == EXIT_REQUEUE and all(r.code == EXIT_REQUEUE for r in ended)):
         return Verdict(exits.PREEMPTED, "saved after the warning signal", step=step)
     return _without_cause(records, srun, rc, step)
+
+
+def _went_on(records: list[ExitRecord]) -> str | None:
+    """The survivors of lost ranks went on in place and finished (``went_on_without``): every rank that did not end
+    is one of those, every one that did finished. Its cause line, else None."""
+    lost = {r for rec in records for r in rec.went_on_without or []}
+    silent = [r for r in records if not r.ended]
+    if not lost or not silent or any(r.ended and r.code != 0 for r in records) or \
+            not {r.rank for r in silent} <= lost:
+        return None
+    where = ", ".join(f"rank {r.rank} on {r.node}" for r in sorted(silent, key=lambda r: r.rank))
+    return f"every rank finished; {where} lost, and the others went on without a restart"
 
 
 def _first_cause(causes: list[ExitRecord], step: int | None) -> Verdict:

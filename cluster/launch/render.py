@@ -104,26 +104,47 @@ def flight_recorder(p: Profile, folder: str) -> list[str]:
     ]
 
 
-def _srun(p: Profile, python: str) -> tuple[str, str]:
+def _srun(p: Profile, python: str, keep: bool = False) -> tuple[str, str]:
     """``srun …`` (with the container prefix) and the interpreter each task starts; restarting in place, on this
-    attempt's nodes (``$step_nodes``, see :func:`in_place_loop`)."""
+    attempt's nodes (``$step_nodes``, see :func:`in_place_loop`); ``keep``: the step outlives a task's death."""
     inside = container_prefix(p)
     tasks = 1 if p.launch == "torchrun" else p.ntasks_per_node
     place = f' --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * {tasks} ))' if p.in_place else ""
     if p.ranged:  # the allocation was asked for without --ntasks-per-node (see sbatch_directives)
         place += f" --ntasks-per-node={tasks} --cpus-per-task={p.cpus_per_task * p.procs_per_task}"
     # --label: each task's lines carry its number ("1: …"), so `python -m cluster logs --rank 1` finds them.
-    srun = f"srun --kill-on-bad-exit=1 --label{place}" + (f" {inside}" if inside else "")
+    srun = f"srun --kill-on-bad-exit={0 if keep else 1} --label{place}" + (f" {inside}" if inside else "")
     return srun, "python3" if inside else shlex.quote(python)
+
+
+def store_lines(python: str) -> list[str]:
+    """Start this attempt's store (``python -m trainer.store``) beside the batch shell, on the first node, and export
+    where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other."""
+    return [
+        "# The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on",
+        "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
+        "unset TRAINER_STORE",
+        'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"',
+        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" >> "$RUN_DIR/store.log" 2>&1 &',
+        "store_pid=$!",
+        'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
+        'if read -r store_port presence_port 2>/dev/null < "$store_file"; then',
+        '  store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        '  export TRAINER_STORE="$store_host:$store_port:$presence_port"',
+        "else",
+        '  echo "note: the job\'s store did not start ($RUN_DIR/store.log): a lost rank restarts the attempt" >&2',
+        "fi",
+    ]
 
 
 def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer", user_args: bool = True) -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
-    srun, py = _srun(p, python)
+    keep = p.regroup and module == "trainer"
+    srun, py = _srun(p, python, keep)
     # The run folder and the warning signal reach the trainer as RUN_DIR and TRAINER_SIGNAL (run_dir_lines).
     overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
-        return [f"{srun} {py} -m {module}{overrides}"]
+        return [*(store_lines(python) if keep else []), f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.
@@ -142,8 +163,8 @@ def command_line(p: Profile, python: str, words: list[str]) -> list[str]:
     """The line that starts a user's command in every task, through ``python -m trainer.launch`` (torchrun's
     variables, the warning signal) with ``words`` (its options, ``--``, the command); ``"$@"``: arguments given to
     sbatch, appended to the command."""
-    srun, py = _srun(p, python)
-    return [f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
+    srun, py = _srun(p, python, p.regroup)
+    return [*(store_lines(python) if p.regroup else []), f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
 
 
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
@@ -201,6 +222,8 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
     It runs here, in the batch shell, outside any container. ``report``: write a command's run report (the session
     API writes its own)."""
     return [
+        *(['[[ -z ${store_pid:-} ]] || kill "$store_pid" 2>/dev/null || true  # the attempt\'s store']
+          if p.regroup else []),
         'job_event job_end ", \\"code\\": $rc"',
         *([f'{python} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
           if report else []),

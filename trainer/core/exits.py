@@ -44,6 +44,7 @@ EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "
 """What this module reads: container launchers pass them in (the container's own host name is no node's name)."""
 
 _written: dict[str, bool] = {}
+_without: set[int] = set()
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:
@@ -101,7 +102,15 @@ def ended(code: int, info: dict[str, Any], phase: str = "train", rank: int | Non
     if path is None or _written.get(str(path)):
         return
     _written[str(path)] = True
+    if _without:
+        more["went_on_without"] = sorted(_without)
     write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=code, **info, **more)
+
+
+def went_on_without(ranks: list[int]) -> None:
+    """This process's group went on without ``ranks`` (as started): its end record says so (the verdict then does
+    not count their ends as the attempt's)."""
+    _without.update(ranks)
 
 
 def outcome(kind: str, cause: str, **more: Any) -> dict[str, Any]:
@@ -119,6 +128,8 @@ def classify(exc: BaseException) -> dict[str, Any]:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
     distributed = type(exc).__module__.startswith("torch.distributed") or type(exc).__name__.startswith("Dist") \
         or any(m in low for m in DISTRIBUTED)
+    if type(exc).__name__ == "RegroupFailed":  # the lost rank is the cause (its node, srun's line for it)
+        return {"class": INFRASTRUCTURE, "cause": first, "echo": True}
     if distributed and any(p in low for p in PEER_LOST):
         return {"class": INFRASTRUCTURE, "cause": f"lost a peer mid-collective ({first})", "echo": True}
     if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":  # hard evidence against the node

@@ -77,6 +77,9 @@ class ExitRecord(Typed):
     aborted: bool = False
     """The command crashed with SIGABRT (a teardown without a barrier, when every rank had finished)."""
     step: int | None = None
+    went_on_without: list[int] | None = None
+    """The ranks (as started) this process went on without, in place (``Session.regroup``): their ends are no
+    failure of the attempt's."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

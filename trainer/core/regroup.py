@@ -21,6 +21,11 @@ from typing import Any
 import torch.distributed as dist
 
 
+class RegroupFailed(RuntimeError):
+    """The survivors of a lost rank could not go on in place (a second loss meanwhile, a global batch the survivors
+    cannot share): the attempt ends, and the job takes the restart path. An echo of the loss, never its cause."""
+
+
 @dataclass(frozen=True)
 class Place:
     """A rank's place in one generation of the job's process group."""

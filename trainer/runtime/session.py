@@ -42,6 +42,7 @@ from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
+from trainer.core.regroup import RegroupFailed
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
@@ -258,12 +259,19 @@ class Session:
         if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (lost := m.lost()):
             raise exc
         began, failed = time.monotonic(), self.env
-        self.env, self.step, exact, rendezvous_s = rejoin(exc, m, self.env, self.model, self.wrapper, self.marks,
-                                                          self.loaders)
-        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
-        self.parts = regrouped_parts(p, setup, self.model, self.objects, self.step,
-                                     {**self.config_dict, **self.extra_config}, self.wrapper)
+        try:
+            self.env, self.step, exact, rendezvous_s = rejoin(exc, m, self.env, self.model, self.wrapper, self.marks,
+                                                              self.loaders)
+            setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints,
+                          self.print)
+            self.parts = regrouped_parts(p, setup, self.model, self.objects, self.step,
+                                         {**self.config_dict, **self.extra_config}, self.wrapper)
+        except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost and the others could not go on in place "
+                                f"({type(err).__name__}: {first}): the attempt ends") from None
         self.events = self.parts.events
+        exits.went_on_without(lost)
         announce(self.events.emit, self.print, m.place, lost, failed.world_size, self.step, exact, rendezvous_s,
                  time.monotonic() - began)
         return self.step
