@@ -264,6 +264,7 @@ def test_a_spare_node_takes_over_inside_the_allocation_from_node_memory(slurm_en
     assert not left, left  # the job's end cleared every node's snapshots
 
 
+@pytest.mark.slurm_compat  # what srun --kill-on-bad-exit=0 keeps, and how it reports the loss, on each version
 def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     """regroup: true on three nodes: rank 2 SIGKILLed from outside while the ranks are held after step 5. srun keeps
