@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,28 +46,41 @@ def _ranks(args: list[str], tmp: Path, world: int, env: dict[str, str] | None = 
     assert [p.returncode for p in procs] == [0] * world, "\n".join(outs)
 
 
-def _in_place(tmp: Path, run: Path, lost: int) -> list[str]:
-    """Three ranks on a store process; rank ``lost`` SIGKILLed from outside after step 8. The survivors' output."""
+@contextlib.contextmanager
+def _store(tmp: Path) -> Iterator[dict[str, str]]:
+    """The job's store process for one test; the environment that points the ranks at it."""
     store, (port, presence) = start_store(tmp / "ports", env=clean_env(), cwd=ROOT)
-    procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp, 3,
-                        {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}"}, script=LOOP)
+    try:
+        yield {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}"}
+    finally:
+        store.terminate()
+        store.communicate(timeout=60)
+
+
+def _kill_when(procs: list[Any], lost: int, ready: Callable[[], bool]) -> list[str]:
+    """SIGKILL rank ``lost`` (its process group) from outside once ``ready()``; the others' outputs, each exit 0."""
     try:
         deadline = time.monotonic() + 180
-        while not (run / "trace.jsonl").exists() or len((run / "trace.jsonl").read_text().splitlines()) < 8:
+        while not ready():
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
                 outputs([p for p in procs if p.poll() is not None], timeout=5)
             time.sleep(0.02)
         os.killpg(procs[lost].pid, signal.SIGKILL)
         rest = [p for r, p in enumerate(procs) if r != lost]
         outs = outputs(rest, timeout=180)
-        assert [p.returncode for p in rest] == [0, 0], "\n".join(outs)
+        assert [p.returncode for p in rest] == [0] * len(rest), "\n".join(outs)
         return outs
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-        store.terminate()
-        store.communicate(timeout=60)
+
+
+def _stepped(run: Path, steps: int = 1) -> Callable[[], bool]:
+    """Whether the run's trace (the elastic loop's) holds ``steps`` steps; with 0, whether its first step ended."""
+    if not steps:
+        return lambda: (run / "events.jsonl").exists() and bool(_events(run, "first_step"))
+    return lambda: (run / "trace.jsonl").exists() and len((run / "trace.jsonl").read_text().splitlines()) >= steps
 
 
 @pytest.mark.parametrize("lost", [0, 2])
@@ -74,7 +88,9 @@ def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_
     """Rank 0 (its event log and result move to the new rank 0) or the last rank: the two others finish the run in
     their own processes, and their weights equal those of a run saved at the agreed step and resumed on two."""
     run, ref = tmp_path / "run", tmp_path / "ref"
-    outs = _in_place(tmp_path, run, lost)
+    with _store(tmp_path) as env:
+        procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
+        outs = _kill_when(procs, lost, _stepped(run, 8))
     [regroup] = _events(run, "regroup")
     k = regroup["step"]
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
@@ -94,14 +110,10 @@ def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank
     """Rank 1 fails on its own (out of memory at step 5): it ends on purpose, so the others' failed collectives
     are not recovered in place (a bug would only fail again), and every rank exits non-zero; nothing regroups."""
     run = tmp_path / "run"
-    store, (port, presence) = start_store(tmp_path / "ports", env=clean_env(), cwd=ROOT)
-    try:
-        env = {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}", "TRAINER_FAULTS": "oom_at_step=4 oom_rank=1"}
+    with _store(tmp_path) as env:
+        env["TRAINER_FAULTS"] = "oom_at_step=4 oom_rank=1"
         procs = spawn_ranks([*COMMON, f"run.dir={run}"], tmp_path, 3, env, script=LOOP)
         outs = outputs(procs, timeout=180)
-    finally:
-        store.terminate()
-        store.communicate(timeout=60)
     assert all(p.returncode not in (0, None) for p in procs), "\n".join(outs)
     assert "simulated out of memory" in outs[1]
     assert not _events(run, "regroup") and "regrouped" not in "".join(outs)
@@ -190,30 +202,27 @@ def test_the_builtin_trainer_goes_on_in_place_when_a_rank_is_killed(tmp_path: Pa
     """``python -m trainer`` on three processes with the job's store; rank 1 SIGKILLed from outside mid-epoch: the
     other two finish the epoch in their own processes, with the same global batch, and evaluate."""
     run = tmp_path / "run"
-    store, (port, presence) = start_store(tmp_path / "ports", env=clean_env(), cwd=ROOT)
-    args = [*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16"]
-    env = {"TRAINER_STORE": f"127.0.0.1:{port}:{presence}", "TRAINER_FAULTS": "step_delay_s=0.1"}
-    procs = spawn_ranks(args, tmp_path, 3, env)
-    try:
-        deadline = time.monotonic() + 180
-        while not (run / "events.jsonl").exists() or not _events(run, "first_step"):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
-                outputs([p for p in procs if p.poll() is not None], timeout=5)
-            time.sleep(0.05)
-        time.sleep(0.5)
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        rest = [procs[0], procs[2]]
-        outs = outputs(rest, timeout=180)
-        assert [p.returncode for p in rest] == [0, 0], "\n".join(outs)
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        store.terminate()
-        store.communicate(timeout=60)
+    with _store(tmp_path) as env:
+        env["TRAINER_FAULTS"] = "step_delay_s=0.1"
+        procs = spawn_ranks([*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16"], tmp_path, 3, env)
+        outs = _kill_when(procs, 1, _stepped(run, 0))
     [regroup] = _events(run, "regroup")
     assert regroup["lost"] == [1] and regroup["world_size"] == 2 and 0 < regroup["step"] < 21
     result = json.loads((run / "result.json").read_text())
     assert result["global_step"] == 21 and result["world_size"] == 2 and "test_accuracy" in result  # 1024 // 48
     assert "global batch 48 = 3 process(es) × 16 samples × 1 accumulation step(s): the first attempt's, kept" in outs[0]
     assert f"regrouped: rank(s) 1 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
+
+
+def test_the_char_lm_example_goes_on_in_place(tmp_path: Path) -> None:
+    """examples/char_lm (its loop in the documented pattern) on three processes with the job's store; rank 1
+    SIGKILLed from outside after its first step: the other two finish and sample, in their own processes."""
+    run = tmp_path / "run"
+    args = ["--max-steps", "30", "--max-bytes", "40000", "--batch-size", "8", "--sample", "1", "--eval-every", "1000",
+            *COMMON, f"run.dir={run}"]
+    with _store(tmp_path) as env:
+        env["TRAINER_FAULTS"] = "step_delay_s=0.1"
+        procs = spawn_ranks(args, tmp_path, 3, env, script=ROOT / "examples" / "char_lm" / "train.py")
+        outs = _kill_when(procs, 1, _stepped(run, 0))
+    assert "regrouped: rank(s) 1 lost; 2 of 3 processes go on" in outs[0] and "sample:" in outs[0], outs[0]
+    assert json.loads((run / "result.json").read_text())["global_step"] == 30

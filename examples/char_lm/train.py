@@ -10,7 +10,8 @@ see `python -m trainer --help`). The text is Python's own standard library sourc
 with ``--shards DIR`` it is read from byte shards (make_shards.py) through trainer.Shards, as large data would be.
 Preempted (USR2/TERM), it saves, exits 75 and, started again, continues bit-exactly where it stopped. With
 ``--global-batch`` the samples of each optimizer step are fixed whatever the number of processes, so it may also
-continue on another number of processes (to float tolerance: sums are reduced in another order).
+continue on another number of processes (to float tolerance: sums are reduced in another order). In a job whose
+store runs apart (profile ``regroup: true``, TRAINER_STORE) a lost process's peers go on in their own processes.
 """
 
 from __future__ import annotations
@@ -100,6 +101,40 @@ def evaluate(sess: trainer.Session, model: torch.nn.Module, loader: Any, amp: An
     return float(total[0] / total[1])
 
 
+def train(sess: trainer.Session, args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
+          sched: Any, loader: Any, batches: Any, val: Any, start: int) -> float:
+    """The steps after ``start``; the validation loss last measured."""
+    accum = loader.accumulation  # after restore or a regroup: the global batch's split on this world size
+    cuda, val_loss = sess.device.type == "cuda", float("nan")
+
+    def amp() -> Any:  # bf16 on GPUs; the CPU trains in fp32
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    for step in sess.steps(start, args.max_steps):
+        for micro in range(accum):  # gradients are all-reduced on the last micro-step only
+            x, y = (t.to(sess.device, non_blocking=True) for t in next(batches))
+            with sess.no_sync(model, skip=micro < accum - 1), amp():
+                loss = model(x, y) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if step % 10 == 0:  # reading the loss syncs with the device: not every step
+            sess.log({"train/loss": float(loss.detach()) * accum, "train/lr": sched.get_last_lr()[0]}, step)
+        if step % args.eval_every == 0 or step == args.max_steps:
+            val_loss = evaluate(sess, model, val, amp)
+            sess.log({"eval/loss": val_loss}, step)
+            sess.report(step, val_loss)  # a sweep's pruner judges it (nothing happens outside a sweep)
+            if sess.should_prune():
+                break
+        if sess.should_save(step):
+            sess.save(step)
+            if sess.preempted:
+                break
+    return val_loss
+
+
 def main() -> int:
     args, overrides = parse()
     with trainer.Session(overrides) as sess:
@@ -113,35 +148,13 @@ def main() -> int:
         loader = sess.loader(train_set, args.batch_size, args.global_batch or None, accumulation=args.accum)
         val = sess.eval_loader(val_set, args.batch_size)
         start = sess.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
-        accum = loader.accumulation  # after restore: a job that may change size keeps its first global batch
-
-        def amp() -> Any:  # bf16 on GPUs; the CPU trains in fp32
-            return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-
-        batches, val_loss = loader.forever(), float("nan")
-        for step in sess.steps(start, args.max_steps):
-            for micro in range(accum):  # gradients are all-reduced on the last micro-step only
-                x, y = (t.to(sess.device, non_blocking=True) for t in next(batches))
-                with sess.no_sync(model, skip=micro < accum - 1), amp():
-                    loss = model(x, y) / accum
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            if step % 10 == 0:  # reading the loss syncs with the device: not every step
-                train_loss = float(loss.detach()) * accum
-                sess.log({"train/loss": train_loss, "train/lr": sched.get_last_lr()[0]}, step)  # W&B and a line
-            if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss = evaluate(sess, model, val, amp)
-                sess.log({"eval/loss": val_loss}, step)
-                sess.report(step, val_loss)  # a sweep's pruner judges it (nothing happens outside a sweep)
-                if sess.should_prune():
-                    break
-            if sess.should_save(step):
-                sess.save(step)
-                if sess.preempted:
-                    break
+        batches = loader.forever()
+        while True:
+            try:
+                val_loss = train(sess, args, model, opt, sched, loader, batches, val, start)
+                break
+            except RuntimeError as exc:  # a lost peer (a job that regroups): the others go on in their processes
+                start = sess.regroup(exc)  # the newest step they all hold; any other error is raised again
         code = sess.finish({"test_loss": val_loss})
         if code == 0 and args.sample:  # every rank: a sharded model gathers its parameters in each forward
             torch.manual_seed(0)

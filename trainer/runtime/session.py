@@ -260,6 +260,8 @@ class Session:
             raise exc
         began, failed = time.monotonic(), self.env
         try:
+            if self.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
+                raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
             self.env, self.step, exact, rendezvous_s = rejoin(exc, m, self.env, self.model, self.wrapper, self.marks,
                                                               self.loaders)
             setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints,
