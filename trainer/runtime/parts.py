@@ -135,3 +135,25 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
                          s.job.end_time, parts=(snapshots, audit.meter))
     return Group(audit, policy)
+
+
+def finished(p: Parts, summary: dict[str, Any], step: int, report: bool) -> None:
+    """A finished run's end: result.json, the exit event, the report (``report``: its page too), W&B's summary."""
+    p.run.write_result(summary)
+    p.events.emit("exit", durable=True, code=0, step=step)
+    goodput = p.run.write_report(report)
+    p.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
+                     | {"global_step": step} | goodput)
+
+
+def close_parts(p: Parts, exit_code: int) -> None:
+    """Stop the watchdog and the audits, keep a failed attempt's snapshots for its restart, wait for a background
+    save, close W&B (``exit_code``: the process's)."""
+    p.heartbeat.stop()
+    p.group.audit.close()
+    if p.snapshots is not None:
+        p.snapshots.close(finished=False)
+    try:
+        p.saves.checkpointer.wait()
+    finally:
+        p.tracker.finish(exit_code=exit_code)

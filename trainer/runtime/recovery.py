@@ -12,6 +12,7 @@ a resume from a checkpoint at that step would; each rank keeps its own random st
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -26,11 +27,13 @@ from torch.utils.data import DataLoader
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.state import PerRank, load_into, state_of
 from trainer.core import dist as tdist
+from trainer.core import exits
 from trainer.core.env import DistEnv
-from trainer.core.regroup import Membership, Place
+from trainer.core.regroup import Membership, Place, RegroupFailed
 from trainer.data.loader import Loader, reshard
 from trainer.runtime import ddp_group
 from trainer.runtime.buckets import prime_when_resumed
+from trainer.runtime.parts import Parts, Setup, regrouped_parts
 
 
 class Marks:
@@ -123,6 +126,29 @@ def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.M
         if not isinstance(loader, Loader):
             reshard(loader, env)
     return env, step, exact, round(joined, 3)
+
+
+def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setup, parts: Parts,
+            model: nn.Module | None, wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]],
+            objects: dict[str, Any], config: dict[str, Any]) -> tuple[DistEnv, int, Parts]:
+    """Collective among the survivors of ``lost``: ``rejoin``, then the session's parts for the new group (``s``:
+    the session's setup, ``config``: what W&B records). Returns (this rank's place, the step to go on from, the parts);
+    RegroupFailed, naming why, when any of it fails: the attempt ends and the restart path takes over."""
+    began, was = time.monotonic(), s.env.world_size
+    try:
+        if s.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
+            raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
+        env, step, exact, rendezvous_s = rejoin(exc, membership, s.env, model, wrapper, marks, loaders)
+        s = dataclasses.replace(s, env=env, say=lambda msg: tdist.say(env, msg))  # rank 0 may have moved
+        parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
+    except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost and the others could not go on in place "
+                            f"({type(err).__name__}: {first}): the attempt ends") from None
+    exits.went_on_without(lost)
+    announce(parts.events.emit, s.say, membership.place, lost, was, step, exact, rendezvous_s,
+             time.monotonic() - began)
+    return env, step, parts
 
 
 def announce(emit: Callable[..., None], say: Callable[[str], None], place: Place, lost: list[int], was: int,

@@ -42,7 +42,6 @@ from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
-from trainer.core.regroup import RegroupFailed
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
@@ -50,12 +49,12 @@ from trainer.runtime import compile_cache
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.health.heartbeat import Heartbeat
-from trainer.runtime.parts import Parts, Setup, open_parts, regrouped_parts
+from trainer.runtime.parts import Parts, Setup, close_parts, finished, open_parts
 from trainer.runtime.records import attempts
 from trainer.runtime.records.tracking import Tracker
-from trainer.runtime.recovery import Marks, announce, rejoin
+from trainer.runtime.recovery import Marks, recover
 from trainer.runtime.saving.saves import Saves
-from trainer.runtime.saving.signals import Preemption
+from trainer.runtime.saving.signals import Preemption, saving_signals
 from trainer.testing import faults
 
 __all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
@@ -75,10 +74,7 @@ class Session:
         self.job = job_info()
         self.device = tdist.pick_device(self.env, self.cfg.train.device, self.job.gpus_on_node)
         tdist.use_cpu_threads(self.env)
-        # The job's warning signal (TRAINER_SIGNAL, from the batch script or `python -m trainer.launch`) saves too.
-        warning = self.job.warning_signal or ""
-        warned = [signal.Signals[warning]] if warning in signal.Signals.__members__ else []
-        self.signals = tuple({signal.SIGUSR2, signal.SIGTERM, *warned})
+        self.signals = saving_signals(self.job.warning_signal)
         for note in deprecations:
             tdist.say(self.env, note)
         self._attributes()
@@ -258,24 +254,10 @@ class Session:
         m, p = self.membership, _opened(self.parts)
         if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (lost := m.lost()):
             raise exc
-        began, failed = time.monotonic(), self.env
-        try:
-            if self.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
-                raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
-            self.env, self.step, exact, rendezvous_s = rejoin(exc, m, self.env, self.model, self.wrapper, self.marks,
-                                                              self.loaders)
-            setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints,
-                          self.print)
-            self.parts = regrouped_parts(p, setup, self.model, self.objects, self.step,
-                                         {**self.config_dict, **self.extra_config}, self.wrapper)
-        except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost and the others could not go on in place "
-                                f"({type(err).__name__}: {first}): the attempt ends") from None
+        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
+        self.env, self.step, self.parts = recover(exc, lost, m, setup, p, self.model, self.wrapper, self.marks,
+                                                  self.loaders, self.objects, {**self.config_dict, **self.extra_config})
         self.events = self.parts.events
-        exits.went_on_without(lost)
-        announce(self.events.emit, self.print, m.place, lost, failed.world_size, self.step, exact, rendezvous_s,
-                 time.monotonic() - began)
         return self.step
 
     def alive(self) -> None:
@@ -382,26 +364,14 @@ class Session:
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
                    "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.saves.stall_s, 4),
                    "strategy": self.cfg.dist.strategy, **(result or {})}
-        run.write_result(summary)
-        self.events.emit("exit", durable=True, code=0, step=self.step)
-        goodput = run.write_report(self.cfg.run.report)
-        self.tracker.finish({k.replace("test_", "test/", 1): v for k, v in summary.items() if k.startswith("test_")}
-                            | {"global_step": self.step} | goodput)
+        finished(p, summary, self.step, self.cfg.run.report)
         return 0
 
     def close(self, exit_code: int = 0) -> None:
         """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
-        p = self.parts
         try:
-            if p is not None:
-                p.heartbeat.stop()
-                p.group.audit.close()
-                if p.snapshots is not None:
-                    p.snapshots.close(finished=False)
-                try:
-                    p.saves.checkpointer.wait()
-                finally:
-                    p.tracker.finish(exit_code=exit_code)
+            if self.parts is not None:
+                close_parts(self.parts, exit_code)
         finally:
             for loader in self.loaders:
                 shutdown_workers(loader.loader if isinstance(loader, Loader) else loader)

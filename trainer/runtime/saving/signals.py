@@ -20,3 +20,10 @@ class Preemption:
         """Put back the handlers that were there before (e.g. submitit's)."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def saving_signals(warning: str | None) -> tuple[signal.Signals, ...]:
+    """The signals a session saves on: USR2, TERM, and the job's warning signal (TRAINER_SIGNAL, from the batch script
+    or `python -m trainer.launch`), e.g. ``SIGUSR1``."""
+    warned = [signal.Signals[warning]] if warning and warning in signal.Signals.__members__ else []
+    return tuple({signal.SIGUSR2, signal.SIGTERM, *warned})
