@@ -8,8 +8,11 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import warm
 from trainer.core.env import StoreAddress
 from trainer.core.errors import UserError
 from trainer.core.regroup import lost_members
@@ -120,9 +124,9 @@ def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank
 
 
 def test_the_ddp_adapter_swaps_the_group_through_what_it_pins(tmp_path: Path) -> None:
-    """trainer/runtime/ddp_group.py uses DDP's private ``_update_process_group`` and a process group made by hand
-    (``ProcessGroup`` + ``_register_backend`` + ``_set_default_backend``): pinned here, and shown to work on a real
-    DDP (a one-process gloo group) that trains on after a detach and an attach."""
+    """trainer/runtime/ddp_group.py uses DDP's private ``_update_process_group``, a process group made by hand
+    (``ProcessGroup`` + ``_register_backend`` + ``_set_default_backend``) and DDP's constructor on a live wrapper:
+    pinned here, and shown to work on a real DDP (a one-process gloo group) that trains on, with a fresh reducer."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -130,14 +134,18 @@ def test_the_ddp_adapter_swaps_the_group_through_what_it_pins(tmp_path: Path) ->
     from trainer.runtime import ddp_group
 
     assert list(inspect.signature(DDP._update_process_group).parameters) == ["self", "new_process_group"]
+    assert "init_sync" in inspect.signature(DDP.__init__).parameters
     assert all(hasattr(dist.ProcessGroup, n) for n in ("_register_backend", "_set_default_backend"))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         model = DDP(torch.nn.Linear(4, 1))
+        model(torch.ones(2, 4)).sum().backward()
+        old = model.reducer
         ddp_group.detach(model)
         assert model.process_group is not dist.group.WORLD
-        ddp_group.attach(model)
-        assert model.process_group is dist.group.WORLD
+        ddp_group.remake(model)
+        assert model.process_group is dist.group.WORLD and model.reducer is not old
+        model.module.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
         assert model.module.weight.grad is not None and torch.equal(model.module.weight.grad, torch.full((1, 4), 2.0))
     finally:
@@ -204,7 +212,8 @@ def test_the_builtin_trainer_goes_on_in_place_when_a_rank_is_killed(tmp_path: Pa
     run = tmp_path / "run"
     with _store(tmp_path) as env:
         env["TRAINER_FAULTS"] = "step_delay_s=0.1"
-        procs = spawn_ranks([*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16"], tmp_path, 3, env)
+        procs = spawn_ranks([*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16", "audit.replicas_every_steps=1"],
+                            tmp_path, 3, env)  # the replicas compared at every step: equal after the regroup
         outs = _kill_when(procs, 1, _stepped(run, 0))
     [regroup] = _events(run, "regroup")
     assert regroup["lost"] == [1] and regroup["world_size"] == 2 and 0 < regroup["step"] < 21
@@ -226,3 +235,31 @@ def test_the_char_lm_example_goes_on_in_place(tmp_path: Path) -> None:
         outs = _kill_when(procs, 1, _stepped(run, 0))
     assert "regrouped: rank(s) 1 lost; 2 of 3 processes go on" in outs[0] and "sample:" in outs[0], outs[0]
     assert json.loads((run / "result.json").read_text())["global_step"] == 30
+
+
+def test_a_warm_spare_takes_the_lost_ranks_place_and_the_run_ends_as_a_restart_would(tmp_path: Path) -> None:
+    """Three ranks and a warm spare process (TRAINER_SPARE=0: it imported everything and waits at the store); rank 1
+    SIGKILLed from outside after step 8: the spare takes its place, gets the step, the state and the loader position
+    from the others, and the group stays three. The weights equal those of a restart from a checkpoint at that step
+    on three processes, bit for bit."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    with _store(tmp_path) as env:
+        procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
+        spare_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
+        spare = warm.Popen([sys.executable, str(LOOP), *COMMON, f"run.dir={run}", "--pace", "0.05"], cwd=tmp_path,
+                           env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        host, port, _ = env["TRAINER_STORE"].split(":")
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        waiting = _stepped(run, 8)
+        outs = _kill_when([*procs, spare], 1, lambda: waiting() and int(client.add("spares/count", 0)) == 1)
+    [regroup] = _events(run, "regroup")
+    k = regroup["step"]
+    assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == ([1], [0, 2, 3], 3, False)
+    assert f"regrouped: rank(s) 1 lost; a warm spare took the place: 3 processes go on from step {k}" in outs[0]
+    _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
+    _ranks([f"run.dir={ref}"], tmp_path, 3)  # … and resumed from that checkpoint on three
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)
+    a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

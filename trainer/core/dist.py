@@ -89,9 +89,11 @@ def resolve_master(env: DistEnv) -> str:
         ) from None
 
 
-def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress | None = None) -> Membership | None:
+def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress | None = None,
+          spare: int | None = None) -> Membership | None:
     """Join the process group of all ranks; a lone process gets an in-memory group (no port needed). With ``store``
-    (the job's store in a process of its own) through it, and this rank's membership, which can regroup, returned."""
+    (the job's store in a process of its own) through it, and this rank's membership, which can regroup, returned;
+    ``spare``: a warm spare's number, which waits until a lost rank's place is its own (see ``placed``)."""
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend", "nccl needs CUDA devices", "use dist.backend=gloo (or auto) on the CPU")
@@ -104,7 +106,8 @@ def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress |
     membership = None
     if store:
         try:
-            membership = Membership(store.host, store.port, store.presence, env.rank, env.world_size, backend, timeout)
+            membership = Membership(store.host, store.port, store.presence, env.rank, env.world_size, backend, timeout,
+                                    spare)
         except (RuntimeError, OSError) as exc:
             raise UserError("TRAINER_STORE", f"rank {env.rank}: the job's store at {store.host}:{store.port} did "
                             f"not answer: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}",
@@ -123,9 +126,14 @@ def regroup(membership: Membership, env: DistEnv) -> DistEnv:
     survivor waiting in it for this rank learns of the loss from that."""
     global _HOST_GROUP
     _HOST_GROUP = None
-    place = membership.next()
+    membership.next()
     _host_group(membership.backend)
-    return dataclasses.replace(env, rank=place.rank, world_size=place.world_size)
+    return placed(env, membership)
+
+
+def placed(env: DistEnv, membership: Membership) -> DistEnv:
+    """``env`` with this process's rank and world size in the membership's current generation."""
+    return dataclasses.replace(env, rank=membership.place.rank, world_size=membership.place.world_size)
 
 
 def _host_group(backend: str) -> None:

@@ -29,7 +29,7 @@ TRAINER_VARIABLES = (
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
     "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_NODES", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
-    "TRAINER_STORE",
+    "TRAINER_STORE", "TRAINER_SPARE",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -107,6 +107,9 @@ class JobInfo:
     store: StoreAddress | None = None
     """TRAINER_STORE=HOST:PORT:PRESENCE_PORT: the job's store runs in a process of its own (``python -m
     trainer.store``), so the survivors of a lost rank regroup without a restart (``Session.regroup``)."""
+    spare: int | None = None
+    """TRAINER_SPARE=N: this process is warm spare N of the job: it waits at the store until a lost rank's place is
+    its own, then takes the state from the others and trains (``Session`` blocks until then)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,20 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         memory_dir=env.get("TRAINER_MEMORY_DIR") or "/dev/shm",
         resizable=_ranged(env.get("TRAINER_NODES", "")) or bool(env.get("TRAINER_STORE")),
         store=StoreAddress.parse(env.get("TRAINER_STORE", "")),
+        spare=_spare(env),
     )
+
+
+def _spare(env: Mapping[str, str]) -> int | None:
+    """TRAINER_SPARE: a warm spare's number (needs TRAINER_STORE), or None."""
+    if not env.get("TRAINER_SPARE"):
+        return None
+    hint = "TRAINER_SPARE=0 for the first warm spare of a job whose store runs apart (TRAINER_STORE); unset otherwise"
+    spare = _int(env, "TRAINER_SPARE", hint)
+    if spare < 0 or not env.get("TRAINER_STORE"):
+        raise UserError("TRAINER_SPARE", f"a spare needs a number >= 0 and the job's store, got {spare}"
+                        + ("" if env.get("TRAINER_STORE") else " without TRAINER_STORE"), hint)
+    return spare
 
 
 def _ranged(nodes: str) -> bool:

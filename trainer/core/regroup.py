@@ -163,10 +163,18 @@ class Membership:
     and its place in the current generation (made with the first generation's group)."""
 
     def __init__(self, host: str, port: int, presence_port: int, rank: int, world_size: int, backend: str,
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, spare: int | None = None) -> None:
+        """A rank of the first generation, or with ``spare`` warm spare number ``spare`` (named ``world_size +
+        spare``), which blocks until a generation takes it."""
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-        self.presence = Presence(host, presence_port, rank, timeout.total_seconds())
-        self.place, self.backend, self.timeout, self.known = Place.first(rank, world_size), backend, timeout, world_size
+        origin = rank if spare is None else world_size + spare
+        self.presence = Presence(host, presence_port, origin, timeout.total_seconds())
+        self.backend, self.timeout = backend, timeout
+        if spare is None:
+            self.place = Place.first(rank, world_size)
+        else:
+            offer_spare(self.store, origin)
+            self.place = take_place(self.store, origin)
         form(self.store, self.place, backend, timeout)
 
     def lost(self, wait_s: float = 2.0) -> list[int]:
@@ -175,7 +183,7 @@ class Membership:
 
     def next(self) -> Place:
         """The next generation's place, its group made (see ``next_group``)."""
-        self.place = next_group(self.store, self.place, range(self.known), self.backend, self.timeout)
+        self.place = next_group(self.store, self.place, self.place.members, self.backend, self.timeout)
         return self.place
 
     def close(self) -> None:

@@ -2,8 +2,11 @@
 regroup needs: DDP holds its group for its whole life, and a failed group's sockets close only once nothing holds it.
 ``tests/test_regroup.py`` pins what is used here.
 
-``detach`` gives DDP a one-process group of its own (no sockets) so that the failed group can go; ``attach`` gives it
-the new default group. DDP resets its reducer and rebuilds its buckets at the next backward, on every member alike.
+``detach`` gives DDP a one-process group of its own (no sockets) so that the failed group can go; ``remake`` makes
+DDP again in place on the new default group. Swapping the group alone (``_update_process_group``) is not enough: a
+failure at the second step can leave one member with rebuilt buckets and another with the first step's single one,
+and the next all-reduce then sums unlike gradients (seen: the replicas disagreed after a regroup at step 1). A fresh
+reducer has the first layout on every member, as a restart would make it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def detach(ddp: DDP) -> None:
     ddp._update_process_group(placeholder())
 
 
-def attach(ddp: DDP) -> None:
-    """Give DDP the current default group (the new generation's)."""
-    ddp._update_process_group(dist.group.WORLD)
+def remake(ddp: DDP) -> None:
+    """DDP made again, in place (the loop's reference stays valid), on the current default group: a fresh reducer,
+    no initial sync (the state is agreed apart). Hooks registered on the wrapper itself are gone."""
+    DDP.__init__(ddp, ddp.module, device_ids=ddp.device_ids, init_sync=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +136,21 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
                          s.job.end_time, parts=(snapshots, audit.meter))
     return Group(audit, policy)
+
+
+def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict[str, Any], step: int,
+                 wrapper: nn.Module | None = None) -> Parts:
+    """Collective, on a warm spare that took a lost rank's place (``run_dir``: the survivors' run folder): its parts
+    from ``step`` on, made as the survivors make theirs again (``regrouped_parts``); nothing is restored."""
+    env, cfg = s.env, s.cfg
+    run, events = RunDir(run_dir, env), EventLog(run_dir if env.is_main else None)
+    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s)
+    tracker = Tracker(cfg, env, s.job, run.path)
+    snapshots = Snapshots.open(cfg, env, s.job, run.path, s.sharded, model, events.emit)
+    group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
+    restored = Resumption(step=step)
+    saves = _saves(s, run, group, heartbeat, events, restored, model)
+    return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves)
 
 
 def finished(p: Parts, summary: dict[str, Any], step: int, report: bool) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,12 +29,26 @@ from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.state import PerRank, load_into, state_of
 from trainer.core import dist as tdist
 from trainer.core import exits
-from trainer.core.env import DistEnv
+from trainer.core.env import DistEnv, JobInfo
 from trainer.core.regroup import Membership, Place, RegroupFailed
+from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
 from trainer.runtime import ddp_group
 from trainer.runtime.buckets import prime_when_resumed
-from trainer.runtime.parts import Parts, Setup, regrouped_parts
+from trainer.runtime.parts import Parts, Setup, joined_parts, regrouped_parts
+
+
+def join(env: DistEnv, cfg: Config, device: torch.device, job: JobInfo) -> tuple[int, Membership | None, DistEnv]:
+    """Join the job's process group (``tdist.setup``); a warm spare (``job.spare``) waits here until a lost rank's
+    place is its own. Returns (this process's rank as started, its membership where the store runs apart, its env)."""
+    origin = env.rank if job.spare is None else env.world_size + job.spare
+    if job.spare is None:  # a warm spare records its start once it has a place (a waiting one is no lost rank)
+        exits.started(origin)  # a rank that never records its end was killed (the verdict reads these)
+    membership = tdist.setup(env, cfg, device, job.store, job.spare)
+    if membership and job.spare is not None:
+        env = tdist.placed(env, membership)
+        exits.started(origin)
+    return origin, membership, env
 
 
 class Marks:
@@ -67,14 +82,15 @@ class Marks:
             hook.remove()
 
 
-def agree(marks: Marks, env: DistEnv) -> tuple[int, bool]:
-    """Collective in the new group: the newest step a member holds, and whether every member held it (else the
-    ones behind got the state from the first that did: exact, but their random streams ran on a step further)."""
+def agree(marks: Marks, env: DistEnv, run_dir: str = "") -> tuple[int, bool, str]:
+    """Collective in the new group: the newest step a member holds, whether every member held it (else the ones
+    behind, a spare among them, got the state from the first that did: exact, but their random streams ran on a step
+    further or start from the seed), and the run folder (``run_dir``: this member's, empty for a spare)."""
     held = tdist.gather(marks.done)
     newest = max(held)
     source = held.index(newest)
     positions, rng = marks.resume_point()
-    box: list[Any] = [positions]
+    box: list[Any] = [positions, run_dir]
     behind = any(h != newest for h in held)
     if behind:
         box.append({n: state_of(o) for n, o in marks.objects.items()
@@ -82,14 +98,25 @@ def agree(marks: Marks, env: DistEnv) -> tuple[int, bool]:
     if env.world_size > 1:
         dist.broadcast_object_list(box, src=source)
     if behind and env.rank != source:
-        for name, state in box[1].items():
+        for name, state in box[2].items():
             load_into(marks.objects[name], state)
     for name, loader in marks.loaders.items():
         loader.reshape(env, box[0][name])
     if rng is not None and marks.done == newest:
         set_rng_state(rng)
     marks.done = marks.current = newest
-    return newest, not behind
+    return newest, not behind, box[1]
+
+
+def take_over(s: Setup, model: nn.Module | None, objects: dict[str, Any],
+              wrapper: nn.Module | None) -> tuple[int, Parts, Marks]:
+    """Collective, on a warm spare that took a lost rank's place (``s.env``: that place): the survivors' step, state,
+    loader positions and run folder (their side is ``recover``), and this process's parts. Returns (the step to go on
+    from, the parts, the marks)."""
+    marks = Marks(objects, -1)
+    step, _, run_dir = agree(marks, s.env)
+    s.say(f"a warm spare took rank {s.env.rank}'s place at step {step}")  # rank 0 is a survivor: said on no console
+    return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper), marks
 
 
 def let_go(exc: BaseException) -> None:
@@ -105,7 +132,8 @@ def let_go(exc: BaseException) -> None:
 
 
 def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.Module | None,
-           wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]]) -> tuple[DistEnv, int, bool, float]:
+           wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]],
+           run_dir: str) -> tuple[DistEnv, int, bool, float]:
     """Collective among the survivors of ``exc`` (a failed collective): the failed group let go, the next one made,
     DDP moved onto it, the step agreed and every loader re-split. Returns (this rank's new place, the step to go on
     from, whether every member held it, seconds to the new group)."""
@@ -116,12 +144,12 @@ def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.M
     env = tdist.regroup(membership, env)
     joined = time.monotonic() - began
     if isinstance(wrapper, DDP):
-        ddp_group.attach(wrapper)
+        ddp_group.remake(wrapper)
         if env.world_size > 2:  # the buckets a resume at this size sums in (runtime/buckets.py)
             prime_when_resumed(wrapper, lambda: True)
     if model is not None:  # the interrupted step's partial gradients: it runs again
         model.zero_grad(set_to_none=True)
-    step, exact = agree(marks, env)
+    step, exact, _ = agree(marks, env, run_dir)
     for loader in loaders:
         if not isinstance(loader, Loader):
             reshard(loader, env)
@@ -138,7 +166,8 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
     try:
         if s.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
             raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
-        env, step, exact, rendezvous_s = rejoin(exc, membership, s.env, model, wrapper, marks, loaders)
+        env, step, exact, rendezvous_s = rejoin(exc, membership, s.env, model, wrapper, marks, loaders,
+                                                str(parts.run.path))
         s = dataclasses.replace(s, env=env, say=lambda msg: tdist.say(env, msg))  # rank 0 may have moved
         parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
     except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
@@ -156,5 +185,6 @@ def announce(emit: Callable[..., None], say: Callable[[str], None], place: Place
     """The ``regroup`` event (the first generation's ranks lost, the new members, the breakdown) and one line."""
     emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
          world_size=place.world_size, was=was, exact=exact, rendezvous_s=rendezvous_s, total_s=round(total_s, 3))
-    say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {place.world_size} of {was} processes go on from "
-        f"step {step} in {total_s:.2f} s")
+    went = "a warm spare took the place: " if place.world_size >= was else ""
+    size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
+    say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {went}{size} go on from step {step} in {total_s:.2f} s")

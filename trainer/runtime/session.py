@@ -14,8 +14,6 @@
                 if sess.preempted:
                     break
         return sess.finish()                                 # 0, or 75 after a preemption save (launchers requeue)
-
-Saving never happens in a signal handler: a signal sets a flag that ``should_save`` turns into one agreed save.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from trainer.runtime.health.heartbeat import Heartbeat
 from trainer.runtime.parts import Parts, Setup, close_parts, finished, open_parts
 from trainer.runtime.records import attempts
 from trainer.runtime.records.tracking import Tracker
-from trainer.runtime.recovery import Marks, recover
+from trainer.runtime.recovery import Marks, join, recover, take_over
 from trainer.runtime.saving.saves import Saves
 from trainer.runtime.saving.signals import Preemption, saving_signals
 from trainer.testing import faults
@@ -78,10 +76,8 @@ class Session:
         for note in deprecations:
             tdist.say(self.env, note)
         self._attributes()
-        exits.started(self.env.rank)  # a rank that never records its end was killed (the verdict reads these)
-        self.origin = self.env.rank
-        """This process's rank as started (exit records, faults): ``env.rank`` is its place in the current group."""
-        self.membership = tdist.setup(self.env, self.cfg, self.device, self.job.store)
+        self.origin, self.membership, self.env = join(self.env, self.cfg, self.device, self.job)
+        """``origin``: this process's rank as started (exit records, faults); ``env.rank``: its place now."""
         self.opened = (opened, time.time())  # (opened, process group up): the attempt event's start-up phases
         try:  # from here on a failure must not leave the process group behind
             self.preemption = Preemption(self.signals)
@@ -119,7 +115,6 @@ class Session:
         fmt = self.cfg.checkpoint.format
         self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
 
-    # ---- setup -------------------------------------------------------------------------------
     @property
     def heartbeat(self) -> Heartbeat:
         """The hang watchdog of this rank (from ``restore``)."""
@@ -166,9 +161,10 @@ class Session:
             return self.model  # (checkpoints keep their format)
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
-        ddp = self.wrapper = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        ddp = self.wrapper = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                 init_sync=self.job.spare is None)  # a spare's state comes from the others (restore)
         if self.env.world_size > 2:  # resumed, the first step sums in the uninterrupted run's order (runtime/buckets.py)
-            prime_when_resumed(ddp, lambda: self.resumed is not None)
+            prime_when_resumed(ddp, lambda: self.resumed is not None or self.job.spare is not None)
         return ddp
 
     def no_sync(self, model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -214,6 +210,10 @@ class Session:
         check_names(objects)
         self.objects = objects
         setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
+        if self.job.spare is not None and self.membership:  # a spare taking a lost rank's place: from the others
+            self.step, self.parts, self.marks = take_over(setup, self.model, objects, self.wrapper)
+            start_workers(*self.loaders)
+            return self.step
         self.parts = p = open_parts(setup, self.model, objects, {**self.config_dict, **self.extra_config},
                                     to_yaml(self.cfg), self.wrapper)
         self.events, self.resumed, self.step = p.events, p.restored.resumed, p.restored.step
