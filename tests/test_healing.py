@@ -289,6 +289,32 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     print(f"kill → first step after the regroup: {first_step - killed_at:.2f} s (in place, no process started)")
 
 
+@pytest.mark.slurm_compat  # a second step beside the training one (the spare), on each version
+def test_a_warm_spare_on_the_spare_node_takes_the_killed_ranks_place(slurm_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    """regroup: true with a spare node: a process waits on the third node (TRAINER_SPARE) while two train; rank 1
+    SIGKILLed from outside after step 5: the spare takes its place, the job finishes on two processes in one
+    attempt, and the replicas agree."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["spare_nodes=1", "regroup=true"])
+    held(run, ranks=2)
+    node, killed_at = kill_rank(job, 1, 0), time.time()
+    go(run)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
+    assert len(set(result["param_checksums"])) == 1, result
+    [regroup] = events(run, "regroup")
+    assert (regroup["lost"], regroup["world_size"], regroup["step"]) == ([1], 2, 5), regroup
+    assert regroup["members"][1] >= 1_000_000, regroup  # the spare, by its own number
+    [end] = events(run, "attempt_end")
+    assert end["class"] == "finished" and f"rank 1 on {node} lost" in end["cause"], end
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs
+    first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
+    print(f"kill → first step with the warm spare: {first_step - killed_at:.2f} s (no process started)")
+
+
 def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     """CMD=: the command (a session script, examples/char_lm) dies of SIGKILL; its wrapper records the kill."""

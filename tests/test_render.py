@@ -90,6 +90,7 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
     ("torchrun", {"nodes": 2, "spare_nodes": 1}, "spare1"),
     ("srun", {"nodes": 3, "min_nodes": 2, "spare_nodes": 1}, "range2-3-spare1"),
     ("srun", {"nodes": 3, "regroup": True}, "regroup3"),  # no restart: the survivors go on in place
+    ("srun", {"nodes": 2, "spare_nodes": 1, "regroup": True}, "regroup-spare1"),  # a warm spare on the third node
 ])
 def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, int], name: str) -> None:
     """Spare nodes, and a node range with a spare: the batch script restarts inside its allocation."""

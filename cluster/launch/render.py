@@ -137,6 +137,25 @@ def store_lines(python: str) -> list[str]:
     ]
 
 
+def spare_lines(p: Profile, command: str) -> list[str]:
+    """Warm spares on the allocation's nodes this attempt does not train on (``regroup`` with ``spare_nodes``): one
+    process per task, each waiting at the store (TRAINER_SPARE) until a lost rank's place is its own."""
+    tasks = p.ntasks_per_node
+    return [
+        "# Warm spares on the allocation's other nodes: each process waits at the store for a lost rank's place.",
+        "# (not the nodes the verdict avoids: a blamed node is no place for a spare)",
+        'spare_hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | grep -vxF -f <(tr , \'\\n\' <<<"$step_nodes,$avoid") '
+        '| paste -sd, - || true)',
+        'spare_pid=""',
+        'if [[ -n $spare_hosts && -n ${TRAINER_STORE:-} ]]; then',
+        '  spares=$(( $(tr -cd , <<<"$spare_hosts" | wc -c) + 1 ))',
+        f'  TRAINER_SPARE=0 srun --kill-on-bad-exit=0 --label --nodes="$spares" --nodelist="$spare_hosts" '
+        f'--ntasks=$(( spares * {tasks} )) {command} &',
+        "  spare_pid=$!",
+        "fi",
+    ]
+
+
 def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer", user_args: bool = True) -> list[str]:
     """The lines that start the training processes on every node (``"$@"``: overrides given to sbatch)."""
     keep = p.regroup and module == "trainer"
@@ -144,7 +163,8 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     # The run folder and the warning signal reach the trainer as RUN_DIR and TRAINER_SIGNAL (run_dir_lines).
     overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
-        return [*(store_lines(python) if keep else []), f"{srun} {py} -m {module}{overrides}"]
+        spares = spare_lines(p, f"{py} -m {module}{overrides}") if keep and p.spare_nodes else []
+        return [*(store_lines(python) if keep else []), *spares, f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.
@@ -187,7 +207,9 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
                   "fi"]
     if p.in_place:  # the verdict's last line asks for the next attempt here, on the nodes its step-nodes line names
         lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then '
-                     "step_nodes=$(sed -n 's/^step-nodes: //p' <<<\"$next\") here=$(( here + 1 )); trap - TERM; continue; fi")
+                     "step_nodes=$(sed -n 's/^step-nodes: //p' <<<\"$next\") "
+                     + ("avoid=${next##*restart-here: } " if p.regroup and p.spare_nodes else "")
+                     + "here=$(( here + 1 )); trap - TERM; continue; fi")
     return [*lines, 'exit "$verdict"']
 
 
@@ -195,13 +217,14 @@ def in_place_loop(p: Profile, attempt: list[str]) -> list[str]:
     """Restarting in place (spare nodes, a node range), the first attempt runs on ``nodes`` of the allocation's nodes
     and every later one on the nodes the verdict names (it reads what the job holds now from Slurm: a node range goes
     on with fewer, down to ``min_nodes``, and never asks for a node it gave back)."""
+    avoid = ' avoid=""' if p.regroup and p.spare_nodes else ""  # where no warm spare goes (spare_lines)
     how = (f"on up to {p.nodes} of the allocation's nodes, at least {p.min_nodes}" if p.ranged
            else f"on {p.nodes} of the allocation's nodes")
     return [
         f"# Restarts in place (spare_nodes: {p.spare_nodes}, nodes: {p.node_range}): each attempt runs {how};",
         "# after a failure the verdict may start the next one here at once, on the nodes it names.",
         "# (sed, not head: it reads every name, so scontrol never dies of SIGPIPE under pipefail)",
-        f'here=0 step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n "1,{p.nodes}p" | paste -sd, -)',
+        f'here=0{avoid} step_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n "1,{p.nodes}p" | paste -sd, -)',
         "while :; do",
         '  rm -f "$RUN_DIR/requeue.json"  # only this attempt\'s marker may count',
         '  TRAINER_ATTEMPT=${SLURM_RESTART_COUNT:-0}',
@@ -222,6 +245,11 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
     It runs here, in the batch shell, outside any container. ``report``: write a command's run report (the session
     API writes its own)."""
     return [
+        *(["if [[ -n ${spare_pid:-} ]]; then  # spares leave once the attempt ends; a used one ends with the others",
+           '  for _ in $(seq 100); do kill -0 "$spare_pid" 2>/dev/null || break; sleep 0.1; done',
+           '  kill "$spare_pid" 2>/dev/null || true',
+           '  wait "$spare_pid" 2>/dev/null || true',
+           "fi"] if p.regroup and p.spare_nodes else []),
         *(['[[ -z ${store_pid:-} ]] || kill "$store_pid" 2>/dev/null || true  # the attempt\'s store']
           if p.regroup else []),
         'job_event job_end ", \\"code\\": $rc"',

@@ -100,7 +100,7 @@ def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress |
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if env.world_size == 1:
+    if env.world_size == 1 and spare is None:  # a spare's own step may have one task: it joins the job's group
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)  # type: ignore[attr-defined]
         return None
     membership = None

@@ -108,8 +108,9 @@ class JobInfo:
     """TRAINER_STORE=HOST:PORT:PRESENCE_PORT: the job's store runs in a process of its own (``python -m
     trainer.store``), so the survivors of a lost rank regroup without a restart (``Session.regroup``)."""
     spare: int | None = None
-    """TRAINER_SPARE=N: this process is warm spare N of the job: it waits at the store until a lost rank's place is
-    its own, then takes the state from the others and trains (``Session`` blocks until then)."""
+    """TRAINER_SPARE=N: this process is a warm spare of the job, number N + its rank among the spares (the tasks of a
+    spare step, or 0): it waits at the store until a lost rank's place is its own, then takes the state from the
+    others and trains (``Session`` blocks until then)."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "
 
 _written: dict[str, bool] = {}
 _without: set[int] = set()
+_started: dict[str, int] = {}
+"""The rank each phase's start record was written under, where it was given (the end record goes beside it)."""
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:
@@ -64,10 +66,12 @@ def attempt_folder() -> str:
 
 
 def record_path(phase: str = "train", rank: int | None = None) -> Path | None:
-    """Where this process's record goes (None outside a batch job: no RUN_DIR)."""
+    """Where this process's record goes (None outside a batch job: no RUN_DIR); ``rank`` None: the rank its start
+    record was written under (a warm spare's own number), else the environment's."""
     run_dir = os.environ.get("RUN_DIR")
     if not run_dir:
         return None
+    rank = _started.get(phase) if rank is None else rank
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) if rank is None else rank
     return Path(run_dir) / "exits" / attempt_folder() / f"{phase}-{rank}.json"
 
@@ -93,6 +97,8 @@ def started(rank: int | None, phase: str = "train") -> None:
         return
     write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=None)
     _written[str(path)] = False
+    if rank is not None:
+        _started[phase] = rank
 
 
 def ended(code: int, info: dict[str, Any], phase: str = "train", rank: int | None = None, **more: Any) -> None:

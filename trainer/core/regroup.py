@@ -20,6 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+SPARE_BASE = 1_000_000
+"""Warm spares go by ``SPARE_BASE + their number``: no rank of a job has such a number."""
+
 
 class RegroupFailed(RuntimeError):
     """The survivors of a lost rank could not go on in place (a second loss meanwhile, a global batch the survivors
@@ -115,17 +118,19 @@ def waiting_spares(store: Any) -> list[int]:
     return [r for r in offered if not store.check([f"spare/{r}/generation"])]
 
 
-def take_place(store: Any, origin: int, wait_s: float = 60.0) -> Place:
-    """Block until a generation takes this spare (a rank was lost); its place there. Waits in ``wait_s`` slices, for
-    as long as the job runs."""
-    while True:
-        try:
-            store.wait([f"spare/{origin}/generation"], timedelta(seconds=wait_s))
-            break
-        except RuntimeError:  # DistStoreError: this slice passed with nobody lost
-            continue
+class SpareReleased(Exception):
+    """The attempt ended while this spare waited: nobody needs it (``Membership.close`` on any rank released it)."""
+
+
+def take_place(store: Any, origin: int, poll_s: float = 0.05, timeout: float = 60.0) -> Place:
+    """Block until a generation takes this spare (a rank was lost), for as long as the attempt runs; its place there.
+    SpareReleased once the attempt has ended without needing it."""
+    while not store.check([f"spare/{origin}/generation"]):
+        if store.check(["spares/released"]):
+            raise SpareReleased(f"spare {origin} was not needed: the attempt ended")
+        time.sleep(poll_s)
     generation = int(store.get(f"spare/{origin}/generation").decode())
-    return place_in(store, generation, origin, wait_s)
+    return place_in(store, generation, origin, timeout)
 
 
 def form(store: Any, place: Place, backend: str, timeout: timedelta) -> None:
@@ -164,10 +169,10 @@ class Membership:
 
     def __init__(self, host: str, port: int, presence_port: int, rank: int, world_size: int, backend: str,
                  timeout: timedelta, spare: int | None = None) -> None:
-        """A rank of the first generation, or with ``spare`` warm spare number ``spare`` (named ``world_size +
+        """A rank of the first generation, or with ``spare`` a warm spare of that number (named ``SPARE_BASE +
         spare``), which blocks until a generation takes it."""
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-        origin = rank if spare is None else world_size + spare
+        origin = rank if spare is None else SPARE_BASE + spare
         self.presence = Presence(host, presence_port, origin, timeout.total_seconds())
         self.backend, self.timeout = backend, timeout
         if spare is None:
@@ -187,5 +192,9 @@ class Membership:
         return self.place
 
     def close(self) -> None:
-        """This rank ends on purpose (finished, or failed on its own): not lost."""
-        self.presence.close()
+        """This rank ends on purpose (finished, or failed on its own): not lost, and the attempt is over, so the
+        spares still waiting leave."""
+        try:
+            self.store.set("spares/released", "1")
+        finally:
+            self.presence.close()

@@ -30,7 +30,8 @@ from trainer.checkpoint.state import PerRank, load_into, state_of
 from trainer.core import dist as tdist
 from trainer.core import exits
 from trainer.core.env import DistEnv, JobInfo
-from trainer.core.regroup import Membership, Place, RegroupFailed
+from trainer.core.errors import exit_now
+from trainer.core.regroup import SPARE_BASE, Membership, Place, RegroupFailed, SpareReleased
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
 from trainer.runtime import ddp_group
@@ -41,10 +42,17 @@ from trainer.runtime.parts import Parts, Setup, joined_parts, regrouped_parts
 def join(env: DistEnv, cfg: Config, device: torch.device, job: JobInfo) -> tuple[int, Membership | None, DistEnv]:
     """Join the job's process group (``tdist.setup``); a warm spare (``job.spare``) waits here until a lost rank's
     place is its own. Returns (this process's rank as started, its membership where the store runs apart, its env)."""
-    origin = env.rank if job.spare is None else env.world_size + job.spare
-    if job.spare is None:  # a warm spare records its start once it has a place (a waiting one is no lost rank)
+    spare = None if job.spare is None else job.spare + env.rank  # a spare step's task: its own number
+    origin = env.rank if spare is None else SPARE_BASE + spare
+    if spare is None:  # a warm spare records its start once it has a place (a waiting one is no lost rank)
         exits.started(origin)  # a rank that never records its end was killed (the verdict reads these)
-    membership = tdist.setup(env, cfg, device, job.store, job.spare)
+    else:  # warm means ready: DDP's constructor imports torch._dynamo (about 1 s) the first time, so now
+        import torch._dynamo  # noqa: F401
+    try:
+        membership = tdist.setup(env, cfg, device, job.store, spare)
+    except SpareReleased as released:  # the attempt ended without needing this spare: nothing to record
+        print(f"{exits.node_name()}: {released}", flush=True)
+        exit_now(0)  # no exit record either: a spare that never trained is no rank of the attempt
     if membership and job.spare is not None:
         env = tdist.placed(env, membership)
         exits.started(origin)
