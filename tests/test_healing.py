@@ -282,7 +282,8 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     [regroup] = events(run, "regroup")
     assert (regroup["lost"], regroup["world_size"], regroup["step"]) == ([2], 2, 5), regroup
     [end] = events(run, "attempt_end")
-    assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"], end
+    assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"] and end["blamed"] == [node], end
+    assert node in json.loads((tmp_path / "suspects.json").read_text())  # evidence against the node, kept
     runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
     assert runs == ["COMPLETED"], runs  # one run of the job, one attempt: no requeue, no restart
     first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests import warm
 from trainer.core.env import StoreAddress
@@ -100,6 +101,7 @@ def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
            ([lost], [r for r in range(3) if r != lost], 2, True)
     assert f"regrouped: rank(s) {lost} lost; 2 of 3 processes go on from step {k}" in outs[0]
+    assert not any("is still held" in o for o in outs), outs  # each survivor let the failed group go
     assert json.loads((run / "result.json").read_text())["global_step"] == 30
     _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
     _ranks([f"run.dir={ref}"], tmp_path, 2)  # … and resumed from that checkpoint on two
@@ -123,28 +125,33 @@ def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank
     assert not _events(run, "regroup") and "regrouped" not in "".join(outs)
 
 
-def test_the_ddp_adapter_swaps_the_group_through_what_it_pins(tmp_path: Path) -> None:
-    """trainer/runtime/ddp_group.py uses DDP's private ``_update_process_group``, a process group made by hand
-    (``ProcessGroup`` + ``_register_backend`` + ``_set_default_backend``) and DDP's constructor on a live wrapper:
-    pinned here, and shown to work on a real DDP (a one-process gloo group) that trains on, with a fresh reducer."""
+def test_the_ddp_adapter_lets_the_failed_group_go_and_remakes_ddp_on_the_new_one(tmp_path: Path) -> None:
+    """trainer/runtime/ddp_group.py runs DDP's constructor again on a live wrapper and makes a process group by hand
+    (``ProcessGroup`` + ``_register_backend`` + ``_set_default_backend``): pinned here. Shown on a real DDP (a
+    one-process gloo group): after ``detach`` and the group's destruction nothing holds the old group (its sockets
+    would close), and after ``remake`` on a new group DDP trains on with a fresh reducer."""
+    import gc
     import inspect
+    import weakref
 
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    import torch._dynamo  # noqa: F401 - before any group, as tdist.setup does for a job that regroups
 
     from trainer.runtime import ddp_group
 
-    assert list(inspect.signature(DDP._update_process_group).parameters) == ["self", "new_process_group"]
     assert "init_sync" in inspect.signature(DDP.__init__).parameters
     assert all(hasattr(dist.ProcessGroup, n) for n in ("_register_backend", "_set_default_backend"))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    model = ddp_group.wrap(torch.nn.Linear(4, 1), torch.device("cpu"))
+    model(torch.ones(2, 4)).sum().backward()
+    old, reducer = weakref.ref(dist.group.WORLD), weakref.ref(model.reducer)
+    ddp_group.detach(model)
+    dist.destroy_process_group()
+    gc.collect()
+    assert old() is None and reducer() is None  # the failed group, and the reducer that held its work, are gone
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
-        model = DDP(torch.nn.Linear(4, 1))
-        model(torch.ones(2, 4)).sum().backward()
-        old = model.reducer
-        ddp_group.detach(model)
-        assert model.process_group is not dist.group.WORLD
         ddp_group.remake(model)
-        assert model.process_group is dist.group.WORLD and model.reducer is not old
+        assert model.process_group is dist.group.WORLD
         model.module.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
         assert model.module.weight.grad is not None and torch.equal(model.module.weight.grad, torch.full((1, 4), 2.0))
@@ -264,3 +271,33 @@ def test_a_warm_spare_takes_the_lost_ranks_place_and_the_run_ends_as_a_restart_w
     assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)
     a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+FRESH = """
+import gc, sys, weakref
+import torch, torch.distributed as dist
+from datetime import timedelta
+from trainer.core.regroup import Membership
+from trainer.runtime import ddp_group
+host, port, presence = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+m = Membership(host, port, presence, 0, 1, "gloo", timedelta(seconds=60))
+model = ddp_group.wrap(torch.nn.Linear(4, 1), torch.device("cpu"))
+model(torch.ones(2, 4)).sum().backward()
+old = weakref.ref(dist.group.WORLD)
+ddp_group.detach(model)
+dist.destroy_process_group()
+gc.collect()
+print("held" if old() is not None else "gone")
+m.close()
+"""
+
+
+def test_in_a_new_interpreter_a_memberships_first_group_can_go(tmp_path: Path) -> None:
+    """A fresh interpreter (not a warm fork: those import torch._dynamo before any group): a rank's first group,
+    made through its membership, wrapped by DDP and let go as a regroup does, is freed, so its connections close and
+    a survivor waiting on this rank fails at once. (torch._dynamo imported with a group alive would keep it.)"""
+    with _store(tmp_path) as env:
+        host, port, presence = env["TRAINER_STORE"].split(":")
+        out = subprocess.run([sys.executable, "-c", FRESH, host, port, presence], cwd=ROOT, env=clean_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1:] == ["gone"], out.stdout + out.stderr

@@ -157,3 +157,19 @@ def test_without_matplotlib_the_report_is_the_table(tmp_path: Path, monkeypatch:
     path, table = report.render(tmp_path)
     assert "goodput 72.7 %" in table  # (20 - 12) training of (20 - 9) allocated seconds
     assert "<table>" in path.read_text() and "data:image" not in path.read_text()
+
+
+def test_a_recovery_in_place_is_a_line_of_the_report_and_of_status(tmp_path: Path) -> None:
+    """A regroup (Session.regroup) is no new attempt: the report and `cluster status` say it in one line each."""
+    from trainer import report
+
+    events = [{"t": 10.0, "event": "attempt", "started": 9.0, "nodes": 1, "resumed_step": 0},
+              {"t": 12.0, "event": "first_step", "step": 1},
+              {"t": 15.0, "event": "regroup", "step": 7, "lost": [2], "generation": 1, "members": [0, 1],
+               "world_size": 2, "was": 3, "exact": True, "rendezvous_s": 0.004, "total_s": 0.025},
+              {"t": 20.0, "event": "exit", "code": 0, "step": 9}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    line = ("recovered in place in attempt 1: rank(s) 2 lost, 2 of 3 processes went on from step 7 after 25 ms (no "
+            "process started, no file read)")
+    path, table = report.render(tmp_path)
+    assert line in path.read_text() and line in table

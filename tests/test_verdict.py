@@ -78,7 +78,7 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
      [], 143, True, "preempted", [], "saved"),
     # the survivors of a killed rank went on in place (Session.regroup) and finished: the work is done
     ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", 0, "finished", went_on_without=[2]),
-      rec(2, "n3", None)], [("n3", "2", "Killed")], 137, False, "finished", [],
+      rec(2, "n3", None)], [("n3", "2", "Killed")], 137, False, "finished", ["n3"],
      "rank 2 on n3 lost, and the others went on without a restart"),
     # … but not a rank they did not go on without, nor a survivor that failed afterwards
     ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", None), rec(2, "n3", None)],

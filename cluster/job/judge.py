@@ -98,8 +98,8 @@ def judge(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
         return _first_cause(causes, step)
     if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
-    if went_on := _went_on(records):
-        return Verdict(exits.FINISHED, went_on, step=step)
+    if went_on := _went_on(records):  # the lost ranks' nodes are blamed: evidence for suspects, no restart
+        return Verdict(exits.FINISHED, went_on, blame=sorted({r.node for r in records if not r.ended}), step=step)
     if marker and marker.deadline:
         return Verdict(exits.PREEMPTED, DEADLINE, step=step, deadline=True)
     if marker or (rc == EXIT_REQUEUE and all(r.code == EXIT_REQUEUE for r in ended)):

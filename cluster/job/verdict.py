@@ -63,8 +63,8 @@ def _verdict(ns: argparse.Namespace) -> int:
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.deadline for e in before)
     if action == "requeue" and not v.deadline and restarts >= ns.max_requeues + ns.max_failures:
         action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
-    if action == "requeue" and v.kind == exits.INFRASTRUCTURE and v.blame:
-        suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)
+    if v.blame and ((action == "requeue" and v.kind == exits.INFRASTRUCTURE) or v.kind == exits.FINISHED):
+        suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)  # finished: lost in place
     allocation = nodes.allocation(info, env)
     shape = placement.Shape(ns.least or ns.need, ns.most or ns.need, ns.in_place or ns.need > 0)
     if action == "requeue":

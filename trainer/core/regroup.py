@@ -11,8 +11,11 @@ generation.
 
 from __future__ import annotations
 
+import importlib
 import socket
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -144,7 +147,11 @@ def next_group(store: Any, place: Place, known: Iterable[int], backend: str, tim
     too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
     block of the failure: the exception's frames hold the old group, whose sockets would stay open."""
     if dist.is_initialized():
+        failed = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()
+        if failed() is not None:  # a survivor waiting on this rank learns nothing until dist.timeout_s
+            print(f"warning: rank {place.members[place.rank]}: the failed process group is still held in this process "
+                  "(its connections stay open)", file=sys.stderr, flush=True)
     place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds())
     form(store, place, backend, timeout)
     return place
@@ -171,6 +178,9 @@ class Membership:
                  timeout: timedelta, spare: int | None = None) -> None:
         """A rank of the first generation, or with ``spare`` a warm spare of that number (named ``SPARE_BASE +
         spare``), which blocks until a generation takes it."""
+        # Imported while a process group exists, torch._dynamo keeps that group alive for good (torch 2.14), and a
+        # failed group's connections must close. DDP's constructor imports it anyway (about 1 s): now, before any.
+        importlib.import_module("torch._dynamo")
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         origin = rank if spare is None else SPARE_BASE + spare
         self.presence = Presence(host, presence_port, origin, timeout.total_seconds())

@@ -1,9 +1,10 @@
-"""The one adapter for DDP's private process-group swap (``DistributedDataParallel._update_process_group``), which a
-regroup needs: DDP holds its group for its whole life, and a failed group's sockets close only once nothing holds it.
+"""The one adapter for what a regroup needs of DDP beyond its public API (its constructor run again on a live wrapper,
+a process group made by hand): DDP holds its group for its whole life, and a failed group's sockets close only once
+nothing holds it.
 ``tests/test_regroup.py`` pins what is used here.
 
-``detach`` gives DDP a one-process group of its own (no sockets) so that the failed group can go; ``remake`` makes
-DDP again in place on the new default group. Swapping the group alone (``_update_process_group``) is not enough: a
+``detach`` makes DDP again in place on a one-process group of its own (no sockets) so that the failed group can go;
+``remake`` makes it again on the new default group. Swapping the group alone (``_update_process_group``) is not enough: a
 failure at the second step can leave one member with rebuilt buckets and another with the first step's single one,
 and the next all-reduce then sums unlike gradients (seen: the replicas disagreed after a regroup at step 1). A fresh
 reducer has the first layout on every member, as a restart would make it.
@@ -18,6 +19,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def wrap(module: torch.nn.Module, device: torch.device, sync: bool = True) -> DDP:
+    """DDP around ``module`` on its device (``sync``: the initial broadcast from rank 0; a warm spare's state comes
+    from the others instead)."""
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, init_sync=sync)
+
+
 def placeholder(timeout: timedelta = timedelta(seconds=60)) -> dist.ProcessGroup:
     """A process group of this process alone, made without a rendezvous and known to nobody else."""
     group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # type: ignore[attr-defined]
@@ -28,8 +35,9 @@ def placeholder(timeout: timedelta = timedelta(seconds=60)) -> dist.ProcessGroup
 
 
 def detach(ddp: DDP) -> None:
-    """Let go of DDP's current group (a failed one): it keeps a placeholder until ``attach``."""
-    ddp._update_process_group(placeholder())
+    """Let go of DDP's current group (a failed one): a fresh reducer on a placeholder until ``remake``, so that the
+    old reducer goes, and with it the failed step's pending work, which holds the group's connections."""
+    DDP.__init__(ddp, ddp.module, device_ids=ddp.device_ids, process_group=placeholder(), init_sync=False)
 
 
 def remake(ddp: DDP) -> None:

@@ -46,8 +46,6 @@ def join(env: DistEnv, cfg: Config, device: torch.device, job: JobInfo) -> tuple
     origin = env.rank if spare is None else SPARE_BASE + spare
     if spare is None:  # a warm spare records its start once it has a place (a waiting one is no lost rank)
         exits.started(origin)  # a rank that never records its end was killed (the verdict reads these)
-    else:  # warm means ready: DDP's constructor imports torch._dynamo (about 1 s) the first time, so now
-        import torch._dynamo  # noqa: F401
     try:
         membership = tdist.setup(env, cfg, device, job.store, spare)
     except SpareReleased as released:  # the attempt ended without needing this spare: nothing to record

@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint.base import Checkpointer
@@ -43,7 +42,7 @@ from trainer.core.legacy import deprecations
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
-from trainer.runtime import compile_cache
+from trainer.runtime import compile_cache, ddp_group
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.health.heartbeat import Heartbeat
@@ -161,8 +160,7 @@ class Session:
             return self.model  # (checkpoints keep their format)
         if self.cfg.dist.strategy == "fsdp":
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
-        ddp = self.wrapper = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                 init_sync=self.job.spare is None)  # a spare's state comes from the others (restore)
+        ddp = self.wrapper = ddp_group.wrap(self.model, self.device, sync=self.job.spare is None)  # spare: restore
         if self.env.world_size > 2:  # resumed, the first step sums in the uninterrupted run's order (runtime/buckets.py)
             prime_when_resumed(ddp, lambda: self.resumed is not None or self.job.spare is not None)
         return ddp

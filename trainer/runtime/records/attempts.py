@@ -204,9 +204,15 @@ def describe_recovery(r: dict[str, Any]) -> str:
 
 
 def audit_lines(runs: list[Attempt]) -> list[str]:
-    """One line per straggler named and per replica disagreement (audit.*), with its attempt."""
+    """One line per straggler named, per replica disagreement (audit.*) and per recovery in place (a regroup), with
+    its attempt."""
     out = []
     for i, a in enumerate(runs, start=1):
+        for e in a.times("regroup"):
+            how = ("a warm spare took the place" if e["world_size"] >= e["was"] else
+                   f"{e['world_size']} of {e['was']} processes went on")
+            out.append(f"recovered in place in attempt {i}: rank(s) {', '.join(map(str, e['lost']))} lost, {how} from "
+                       f"step {e['step']} after {1000 * e['total_s']:.0f} ms (no process started, no file read)")
         for e in a.times("straggler"):
             times = ", ".join(f"{n} {ms:g} ms" + (" (slow)" if n == e["node"] else "") for n, ms in e["ms"].items())
             then = "saved and restarted without it" if e["action"] == "restart" else "reported"
