@@ -124,6 +124,14 @@ def session_run(path: str, folder: Path, port: int) -> dict[str, Any]:
             "finished": (run / "result.json").exists()}
 
 
+def _paired(runs: list[dict[str, Any]], slow: str, fast: str) -> list[float]:
+    """``slow``'s time ÷ ``fast``'s within each repeat (the runs in measure's order: every path once per repeat)."""
+    per = len(SESSION)
+    repeats = [runs[i:i + per] for i in range(0, len(runs) - per + 1, per)]
+    times = [{x["path"]: x["kill_to_first_step_s"] for x in r} for r in repeats]
+    return [t[slow] / t[fast] for t in times if slow in t and fast in t]
+
+
 def _client(extra: dict[str, str]) -> Any:
     """A client of the store TRAINER_STORE names."""
     import torch.distributed as dist
@@ -182,6 +190,10 @@ def session_section(runs: list[dict[str, Any]]) -> list[str]:
         after = {"in place": 2, "warm spare": 3, "restart": 3}[path]
         out.append(f"| {path} | {after} | {show(kill, '{:.2f}')} | {took} | "
                    f"{sum(x['finished'] for x in rows)} of {len(rows)} |")
+    ratios = _paired(runs, "restart", "in place")
+    if ratios:
+        out += ["", f"Restart ÷ in place, paired run by run (each repeat runs every path once): "
+                    f"{show(spread(ratios), '{:.0f}')}×."]
     out += ["", "The restart here is the cheapest one there is (no Slurm, no queue, the processes on the same machine, "
             "the checkpoint on a local disk): its time is detection, new interpreters importing torch and the loop, "
             "a new group and the restore. On the dev cluster (tests/test_healing.py, Slurm 22.05, 24.11 and 26.05, "
