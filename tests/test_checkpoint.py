@@ -246,7 +246,7 @@ import sys
 
 import torch
 
-from trainer.runtime import session
+from trainer.runtime import ddp_group
 from trainer.__main__ import main
 
 
@@ -254,7 +254,7 @@ def ddp(*args, **kwargs):  # DDP's parameter broadcast running out of GPU memory
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
 
-session.DDP = ddp
+ddp_group.DDP = ddp  # where the session makes its DDP
 sys.exit(main())
 """
 
