@@ -145,7 +145,8 @@ def form(store: Any, place: Place, backend: str, timeout: timedelta) -> None:
 def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta) -> Place:
     """After a failed collective: leave the group first (its sockets close, so a survivor still waiting in it fails
     too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
-    block of the failure: the exception's frames hold the old group, whose sockets would stay open."""
+    block of the failure, or after freeing the exception's frames (``runtime/recovery.let_go``): they hold the old
+    group, whose sockets would stay open."""
     if dist.is_initialized():
         failed = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()

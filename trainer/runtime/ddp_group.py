@@ -37,10 +37,10 @@ def placeholder(timeout: timedelta = timedelta(seconds=60)) -> dist.ProcessGroup
 def detach(ddp: DDP) -> None:
     """Let go of DDP's current group (a failed one): a fresh reducer on a placeholder until ``remake``, so that the
     old reducer goes, and with it the failed step's pending work, which holds the group's connections."""
-    DDP.__init__(ddp, ddp.module, device_ids=ddp.device_ids, process_group=placeholder(), init_sync=False)
+    remake(ddp, placeholder())
 
 
-def remake(ddp: DDP) -> None:
-    """DDP made again, in place (the loop's reference stays valid), on the current default group: a fresh reducer,
-    no initial sync (the state is agreed apart). Hooks registered on the wrapper itself are gone."""
-    DDP.__init__(ddp, ddp.module, device_ids=ddp.device_ids, init_sync=False)
+def remake(ddp: DDP, group: dist.ProcessGroup | None = None) -> None:
+    """DDP made again, in place (the loop's reference stays valid), on ``group`` (None: the current default group):
+    a fresh reducer, no initial sync (the state is agreed apart). Hooks registered on the wrapper itself are gone."""
+    DDP.__init__(ddp, ddp.module, device_ids=ddp.device_ids, process_group=group, init_sync=False)
