@@ -248,4 +248,4 @@ def test_the_report_shows_each_attempts_world_size(tmp_path: Path) -> None:
              {"t": 4.0, "event": "exit", "code": 0, "step": 9}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     text = table(figures(attempts(tmp_path)))
-    assert "processes per attempt: 2 → 1" in text and text.splitlines()[0].split()[2:4] == ["nodes", "processes"]
+    assert "processes per attempt: 2 → 1" in text and text.splitlines()[0].split()[3:5] == ["nodes", "processes"]

@@ -286,8 +286,12 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     assert node in json.loads((tmp_path / "suspects.json").read_text())  # evidence against the node, kept
     runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
     assert runs == ["COMPLETED"], runs  # one run of the job, one attempt: no requeue, no restart
+    starts = [(e["attempt"], e.get("regroup", False), e["nodes"]) for e in events(run, "attempt")]
+    assert starts == [("0", False, 3), ("0.1", True, 2)], starts  # the recovery: the next attempt, on two nodes
     first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
     print(f"kill → first step after the regroup: {first_step - killed_at:.2f} s (in place, no process started)")
+    report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
+    assert "recovered in place after attempt 1 (rank(s) 2 lost, 2 of 3 processes went on" in report, report
 
 
 @pytest.mark.slurm_compat  # a second step beside the training one (the spare), on each version

@@ -101,6 +101,12 @@ def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
            ([lost], [r for r in range(3) if r != lost], 2, True)
     assert f"regrouped: rank(s) {lost} lost; 2 of 3 processes go on from step {k}" in outs[0]
+    # the next attempt inside the allocation (every tool that reads attempts sees it), broken down by phase
+    first, again = _events(run, "attempt")
+    assert (first["attempt"], again["attempt"], again["within"], again["regroup"], again["processes"],
+            again["resumed_step"]) == ("0", "0.1", "0", True, 2, k), again
+    assert [e["step"] for e in _events(run, "first_step")] == [1, k + 1]
+    assert all(regroup[f"{p}_s"] >= 0 for p in ("detection", "abort", "rendezvous", "transfer")), regroup
     assert not any("is still held" in o for o in outs), outs  # each survivor let the failed group go
     assert json.loads((run / "result.json").read_text())["global_step"] == 30
     _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
@@ -110,6 +116,28 @@ def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_
     assert {w for s, (w, _) in steps.items() if s > k} == {2}
     a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_recovery_past_max_failures_ends_the_attempt(tmp_path: Path) -> None:
+    """TRAINER_MAX_FAILURES=0 (the profile's max_failures, exported by the batch script): a recovery in place counts
+    as a failure, so none is left; the survivors end the attempt (RegroupFailed, naming the limit), nothing regroups."""
+    run = tmp_path / "run"
+    with _store(tmp_path) as env:
+        env["TRAINER_MAX_FAILURES"] = "0"
+        procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
+        try:
+            deadline, ready = time.monotonic() + 180, _stepped(run, 3)
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.killpg(procs[2].pid, signal.SIGKILL)
+            outs = outputs(procs[:2], timeout=180)
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode not in (0, None) for p in procs[:2]), "\n".join(outs)
+    assert all("max_failures=0" in o for o in outs), outs
+    assert not _events(run, "regroup") and len(_events(run, "attempt")) == 1
 
 
 def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank(tmp_path: Path) -> None:

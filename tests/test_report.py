@@ -159,17 +159,36 @@ def test_without_matplotlib_the_report_is_the_table(tmp_path: Path, monkeypatch:
     assert "<table>" in path.read_text() and "data:image" not in path.read_text()
 
 
-def test_a_recovery_in_place_is_a_line_of_the_report_and_of_status(tmp_path: Path) -> None:
-    """A regroup (Session.regroup) is no new attempt: the report and `cluster status` say it in one line each."""
+def test_a_recovery_in_place_is_an_attempt_of_the_report_and_of_status(tmp_path: Path) -> None:
+    """A regroup (Session.regroup) is the next attempt inside its allocation (``0`` → ``0.1``, no process started):
+    the report gives it a row and a line broken down by phase, `cluster status` a line, and the attempt it ended
+    counts as an infrastructure failure."""
+    from cluster.job.ledger import Record
+    from cluster.runs.status import attempt_lines
     from trainer import report
 
-    events = [{"t": 10.0, "event": "attempt", "started": 9.0, "nodes": 1, "resumed_step": 0},
+    events = [{"t": 9.0, "event": "job_start", "job_id": "5", "attempt": "0", "nodes": 3},
+              {"t": 10.0, "event": "attempt", "started": 9.0, "job_id": "5", "attempt": "0", "nodes": 3,
+               "processes": 3, "resumed_step": 0},
               {"t": 12.0, "event": "first_step", "step": 1},
-              {"t": 15.0, "event": "regroup", "step": 7, "lost": [2], "generation": 1, "members": [0, 1],
-               "world_size": 2, "was": 3, "exact": True, "rendezvous_s": 0.004, "total_s": 0.025},
+              {"t": 14.9, "event": "progress", "step": 8},
+              {"t": 15.2, "event": "attempt", "started": 15.0, "job_id": "5", "attempt": "0.1", "within": "0",
+               "regroup": True, "nodes": 2, "processes": 2, "resumed_step": 7},
+              {"t": 15.2, "event": "regroup", "step": 7, "lost": [2], "generation": 1, "members": [0, 1],
+               "world_size": 2, "was": 3, "exact": True, "detection_s": 0.05, "abort_s": 0.01, "rendezvous_s": 0.004,
+               "transfer_s": 0.011, "total_s": 0.025},
+              {"t": 15.3, "event": "first_step", "step": 8},
               {"t": 20.0, "event": "exit", "code": 0, "step": 9}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    line = ("recovered in place in attempt 1: rank(s) 2 lost, 2 of 3 processes went on from step 7 after 25 ms (no "
-            "process started, no file read)")
+    f = figures(attempts(tmp_path))
+    assert [(r["id"], r["processes"], r["ended"]) for r in f["attempts"]] == [("0", 3, "infrastructure"), ("0.1", 2, None)]
+    [r] = f["recoveries"]
+    assert (r["detection"], r["abort"], r["rendezvous"], r["transfer"]) == (0.05, 0.01, 0.004, 0.011)
+    assert r["first_step"] == pytest.approx(0.1) and r["recomputed_steps"] == 1
+    line = ("recovered in place after attempt 1 (rank(s) 2 lost, 2 of 3 processes went on; no process started, no "
+            "file read): 175 ms from the loss to the next first step (detection 50 ms, abort 10 ms, rendezvous 4 ms, "
+            "transfer 11 ms, first step 100 ms); 1 step(s) recomputed")
     path, table = report.render(tmp_path)
     assert line in path.read_text() and line in table
+    said = attempt_lines(Record("job", "5", "x"), events)
+    assert said[1].startswith("  0.1  ") and said[1].endswith("2 node(s)  recovered in place: 2 processes from step 7")

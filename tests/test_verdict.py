@@ -130,6 +130,35 @@ def test_decide_keeps_separate_budgets(kind: str, before: list[str], action: str
     assert got == action and words in why, why
 
 
+def test_recoveries_in_place_count_against_max_failures() -> None:
+    """A regroup is an infrastructure failure: max_failures=1 is spent by one, so the next failure ends the job."""
+    got, why = decide(Verdict("infrastructure", "x"), [], LIMITS, regrouped=1)
+    assert got == "fail" and "failure 2 (1 recovered in place), max_failures=1" in why, why
+    assert decide(Verdict("finished", "x"), [], LIMITS, regrouped=3)[0] == "done"
+
+
+REGROUPED = [{"event": "job_start", "job_id": "5", "attempt": "0"},
+             {"event": "attempt", "job_id": "5", "attempt": "0"},
+             {"event": "attempt", "job_id": "5", "attempt": "0.1", "regroup": True, "within": "0"},
+             {"event": "attempt", "job_id": "6", "attempt": "0.1", "regroup": True, "within": "0"},  # another job's
+             {"event": "attempt_end", "job_id": "5", "attempt": "0", "class": "infrastructure"},
+             {"event": "attempt", "job_id": "5", "attempt": "0.2"},
+             {"event": "attempt", "job_id": "5", "attempt": "0.3", "regroup": True, "within": "0.2"}]
+
+
+@pytest.mark.parametrize(("attempt", "upto", "nxt", "besides", "failures"), [
+    ("0", 2, "0.2", None, 3),  # recoveries in place and restarts in place share one count
+    ("0.2", 6, "0.4", "0.2", 2),  # the session leaves its own attempt's out (it counts them itself)
+    ("1", 6, "1.1", "0", 2),  # a requeued attempt (Slurm's restart count 1) starts its own count
+])
+def test_attempts_inside_an_allocation_are_numbered_once(attempt: str, upto: int, nxt: str, besides: str | None,
+                                                         failures: int) -> None:
+    events = REGROUPED[:upto + 1]
+    assert exits.next_attempt(events, "5", attempt) == nxt
+    assert exits.failures(REGROUPED, "5", besides) == failures
+    assert exits.later_attempt("2.3", 2) == "2.5" and exits.later_attempt("4", 1) == "4.1"
+
+
 def test_a_failure_at_the_same_step_on_other_nodes_is_the_codes() -> None:
     earlier = ends({"class": "infrastructure", "step": 40, "blamed": ["n2"]})
     assert repeated(Verdict("infrastructure", "x", blame=["n3"], step=40), earlier) == earlier[0]

@@ -19,8 +19,8 @@ from trainer.core.errors import EXIT_BAD_INPUT
 from trainer.core.events import EVENTS
 from trainer.runtime.records.attempts import Attempt, attempts, describe_recovery, figures
 
-COLUMNS = (("attempt", "{}"), ("job_id", "{}"), ("nodes", "{}"), ("processes", "{}"), ("exit", "{}"), ("ended", "{}"),
-           ("blamed", "{}"),
+COLUMNS = (("attempt", "{}"), ("id", "{}"), ("job_id", "{}"), ("nodes", "{}"), ("processes", "{}"), ("exit", "{}"),
+           ("ended", "{}"), ("blamed", "{}"),
            ("gap_before_s", "{:.1f}"), ("resumed_step", "{}"),
            ("last_step", "{}"),
            ("allocated_s", "{:.1f}"), ("startup_s", "{:.1f}"), ("training_s", "{:.1f}"), ("stall_s", "{:.2f}"),

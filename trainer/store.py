@@ -46,7 +46,8 @@ def watch_presence(server: socket.socket, store: Any) -> None:
             sock.close()
             words = seen.pop(sock).decode(errors="replace").split()
             if words and words[0].isdigit():
-                store.set(f"{'ended' if 'done' in words[1:] else 'lost'}/{words[0]}", "1")
+                # the value: when (the store host's clock), for the recovery's detection time
+                store.set(f"{'ended' if 'done' in words[1:] else 'lost'}/{words[0]}", f"{time.time():.3f}")
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,

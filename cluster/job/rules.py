@@ -59,8 +59,9 @@ class Limits:
     """Attempts in a row that end before passing their starting step: then the job stops (0: never)."""
 
 
-def decide(v: Verdict, before: list[AttemptEnd], limits: Limits) -> tuple[str, str]:
-    """("requeue" | "fail" | "done", why)."""
+def decide(v: Verdict, before: list[AttemptEnd], limits: Limits, regrouped: int = 0) -> tuple[str, str]:
+    """("requeue" | "fail" | "done", why); ``regrouped``: the job's recoveries in place so far, each an
+    infrastructure failure that ``max_failures`` counts."""
     if v.kind == exits.FINISHED:
         return "done", "finished"
     rule = RequeueRule(limits.max_requeues)
@@ -80,10 +81,11 @@ def decide(v: Verdict, before: list[AttemptEnd], limits: Limits) -> tuple[str, s
     stuck = storm(v, before, limits.storm_after)
     if stuck:
         return "fail", stuck
-    failures = sum(e.kind == exits.INFRASTRUCTURE for e in before)
+    failures = sum(e.kind == exits.INFRASTRUCTURE for e in before) + regrouped
+    of = f" ({regrouped} recovered in place)" if regrouped else ""
     if failures >= limits.max_failures:
-        return "fail", f"infrastructure failure {failures + 1}, max_failures={limits.max_failures}: not retried"
-    return "requeue", f"infrastructure failure {failures + 1} of max_failures={limits.max_failures}: retried"
+        return "fail", f"infrastructure failure {failures + 1}{of}, max_failures={limits.max_failures}: not retried"
+    return "requeue", f"infrastructure failure {failures + 1}{of} of max_failures={limits.max_failures}: retried"
 
 
 def storm(v: Verdict, before: list[AttemptEnd], after: int) -> str | None:

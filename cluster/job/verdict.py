@@ -59,7 +59,8 @@ def _verdict(ns: argparse.Namespace) -> int:
     v = _judged(ns, run_dir, job, restart, info, before, seen)
     limits = Limits(ns.max_requeues, ns.max_failures, Path(ns.suspects), ns.suspect_hours, ns.suspect_after,
                     ns.storm_after)
-    action, why = decide(v, before, limits)
+    events = list(read(run_dir))
+    action, why = decide(v, before, limits, exits.regroups(events, job))
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.deadline for e in before)
     if action == "requeue" and not v.deadline and restarts >= ns.max_requeues + ns.max_failures:
         action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
@@ -77,7 +78,10 @@ def _verdict(ns: argparse.Namespace) -> int:
             _record(run_dir, ns.phase, restart, job, v, "restart_here", why)
             # The nodes srun is asked for next, as decided here; the last line is the one batch scripts rendered
             # before step-nodes existed read (they avoid its nodes themselves).
-            print(f"step-nodes: {','.join(inside.step)}\nrestart-here: {','.join(inside.avoid)}", flush=True)
+            # here: the next attempt's number inside the allocation, past this attempt's recoveries in place.
+            here = exits.next_attempt(events, job, restart).partition(".")[2]
+            print(f"step-nodes: {','.join(inside.step)}\nhere: {here}\nrestart-here: {','.join(inside.avoid)}",
+                  flush=True)
             return 0
         action, why = _requeue(job, info, seen, order, ns.min_nodes, why)
     if shape.in_place:  # the job ends or starts again elsewhere: no node keeps its snapshots

@@ -117,13 +117,14 @@ def _srun(p: Profile, python: str, keep: bool = False) -> tuple[str, str]:
     return srun, "python3" if inside else shlex.quote(python)
 
 
-def store_lines(python: str) -> list[str]:
+def store_lines(python: str, max_failures: int) -> list[str]:
     """Start this attempt's store (``python -m trainer.store``) beside the batch shell, on the first node, and export
-    where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other."""
+    where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other. Recoveries in
+    place count against ``max_failures`` (TRAINER_MAX_FAILURES)."""
     return [
         "# The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on",
         "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
-        "unset TRAINER_STORE",
+        f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
         'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"',
         f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" >> "$RUN_DIR/store.log" 2>&1 &',
         "store_pid=$!",
@@ -164,7 +165,7 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
         spares = spare_lines(p, f"{py} -m {module}{overrides}") if keep and p.spare_nodes else []
-        return [*(store_lines(python) if keep else []), *spares, f"{srun} {py} -m {module}{overrides}"]
+        return [*(store_lines(python, p.max_failures) if keep else []), *spares, f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.
@@ -184,7 +185,8 @@ def command_line(p: Profile, python: str, words: list[str]) -> list[str]:
     variables, the warning signal) with ``words`` (its options, ``--``, the command); ``"$@"``: arguments given to
     sbatch, appended to the command."""
     srun, py = _srun(p, python, p.regroup)
-    return [*(store_lines(python) if p.regroup else []), f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
+    store = store_lines(python, p.max_failures) if p.regroup else []
+    return [*store, f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
 
 
 def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
@@ -209,7 +211,7 @@ def verdict_lines(p: Profile, python: str, phase: str) -> list[str]:
         lines.append('if [[ ${next##*$\'\\n\'} == restart-here:* ]]; then '
                      "step_nodes=$(sed -n 's/^step-nodes: //p' <<<\"$next\") "
                      + ("avoid=${next##*restart-here: } " if p.regroup and p.spare_nodes else "")
-                     + "here=$(( here + 1 )); trap - TERM; continue; fi")
+                     + "h=$(sed -n 's/^here: //p' <<<\"$next\") here=${h:-$(( here + 1 ))}; trap - TERM; continue; fi")
     return [*lines, 'exit "$verdict"']
 
 

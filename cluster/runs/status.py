@@ -64,18 +64,24 @@ def _when(t: Any) -> str:
 
 def attempt_lines(record: Record, events: list[dict[str, Any]]) -> list[str]:
     """One line per attempt: when it started, on how many nodes, how it ended (the verdict's class and cause). An
-    attempt is a ``job_start`` and the verdict after it (a restart on spare nodes, ``0.1``, starts again in place)."""
+    attempt is a ``job_start`` and the verdict after it (a restart on spare nodes, ``0.1``, starts again in place), or
+    a recovery in place inside one (an ``attempt`` event with ``regroup``: no process started)."""
     job = record.job_id
-    mine = [e for e in events if str(e.get("job_id")) == job and e.get("event") in ("job_start", "attempt_end")]
+    mine = [e for e in events if str(e.get("job_id")) == job and (e.get("event") in ("job_start", "attempt_end")
+                                                                  or e.get("event") == "attempt" and e.get("regroup"))]
     out = []
     for i, e in enumerate(mine):
+        if e.get("event") == "attempt":
+            out.append(f"  {e.get('attempt')}  {_when(e.get('t'))}  {e.get('nodes')} node(s)  recovered in place: "
+                       f"{e.get('processes')} processes from step {e.get('resumed_step')}")
         if e.get("event") != "job_start":
             continue
-        end = mine[i + 1] if i + 1 < len(mine) and mine[i + 1].get("event") == "attempt_end" else None
+        later = next((j for j in range(i + 1, len(mine)) if mine[j].get("event") == "job_start"), len(mine))
+        end = next((x for x in mine[i + 1:later] if x.get("event") == "attempt_end"), None)
         how = (f"{end.get('class')}: {end.get('cause')} → {end.get('decision')}" if end
                else "running, or ended without a verdict")
-        out.append(f"  {end.get('attempt') if end else e.get('restart')}  {_when(e.get('t'))}  {e.get('nodes')} "
-                   f"node(s)  {how}")
+        out.append(f"  {end.get('attempt') if end else e.get('attempt', e.get('restart'))}  {_when(e.get('t'))}  "
+                   f"{e.get('nodes')} node(s)  {how}")
     return out
 
 

@@ -52,7 +52,7 @@ while :; do
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
       verdict=0; next=$(<python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 2 --in-place --least 2 --most 3) || verdict=$?
-      if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") here=$(( here + 1 )); trap - TERM; continue; fi
+      if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") h=$(sed -n 's/^here: //p' <<<"$next") here=${h:-$(( here + 1 ))}; trap - TERM; continue; fi
       exit "$verdict"
     fi
   fi
@@ -63,6 +63,6 @@ while :; do
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
   verdict=0; next=$(<python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --min-nodes 2 --in-place --least 2 --most 3) || verdict=$?
-  if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") here=$(( here + 1 )); trap - TERM; continue; fi
+  if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") h=$(sed -n 's/^here: //p' <<<"$next") here=${h:-$(( here + 1 ))}; trap - TERM; continue; fi
   exit "$verdict"
 done

@@ -52,14 +52,14 @@ while :; do
       echo "preflight doctor failed (its table, or the launch error, is above)" >&2
       trap '' TERM
       verdict=0; next=$(<python> -m cluster.job.verdict --phase doctor --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --in-place --least 2 --most 2) || verdict=$?
-      if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+      if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") avoid=${next##*restart-here: } h=$(sed -n 's/^here: //p' <<<"$next") here=${h:-$(( here + 1 ))}; trap - TERM; continue; fi
       exit "$verdict"
     fi
   fi
   rc=0
   # The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on
   # it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.
-  unset TRAINER_STORE
+  unset TRAINER_STORE; export TRAINER_MAX_FAILURES=3
   store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"
   <python> -m trainer.store --port-file "$store_file" >> "$RUN_DIR/store.log" 2>&1 &
   store_pid=$!
@@ -91,6 +91,6 @@ while :; do
   # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
   trap '' TERM
   verdict=0; next=$(<python> -m cluster.job.verdict --phase train --rc "$rc" --max-requeues 3 --max-failures 3 --suspect-hours 24 --in-place --least 2 --most 2) || verdict=$?
-  if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") avoid=${next##*restart-here: } here=$(( here + 1 )); trap - TERM; continue; fi
+  if [[ ${next##*$'\n'} == restart-here:* ]]; then step_nodes=$(sed -n 's/^step-nodes: //p' <<<"$next") avoid=${next##*restart-here: } h=$(sed -n 's/^here: //p' <<<"$next") here=${h:-$(( here + 1 ))}; trap - TERM; continue; fi
   exit "$verdict"
 done

@@ -47,7 +47,7 @@ fi
 rc=0
 # The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on
 # it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.
-unset TRAINER_STORE
+unset TRAINER_STORE; export TRAINER_MAX_FAILURES=3
 store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"
 <python> -m trainer.store --port-file "$store_file" >> "$RUN_DIR/store.log" 2>&1 &
 store_pid=$!

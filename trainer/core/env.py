@@ -29,7 +29,7 @@ TRAINER_VARIABLES = (
     "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE", "WANDB_API_KEY",
     "TRAINER_FAULTS", "RUN_DIR", "TRAINER_SIGNAL", "TRAINER_CHECKSUM", "TRAINER_MTBF_HOURS", "TRAINER_SIGNAL_GRACE_S",
     "TRAINER_TRIAL", "TRAINER_PRUNING", "TRAINER_IN_PLACE", "TRAINER_NODES", "TRAINER_MEMORY_DIR", "SLURM_JOB_END_TIME",
-    "TRAINER_STORE", "TRAINER_SPARE",
+    "TRAINER_STORE", "TRAINER_SPARE", "TRAINER_MAX_FAILURES",
 )
 """Every variable this module reads (besides HOME/NETRC for W&B's netrc): container launchers pass them all in."""
 
@@ -111,6 +111,8 @@ class JobInfo:
     """TRAINER_SPARE=N: this process is a warm spare of the job, number N + its rank among the spares (the tasks of a
     spare step, or 0): it waits at the store until a lost rank's place is its own, then takes the state from the
     others and trains (``Session`` blocks until then)."""
+    max_failures: int | None = None
+    """TRAINER_MAX_FAILURES: the profile's max_failures; recoveries in place count against it (None: no limit)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
         resizable=_ranged(env.get("TRAINER_NODES", "")) or bool(env.get("TRAINER_STORE")),
         store=StoreAddress.parse(env.get("TRAINER_STORE", "")),
         spare=_spare(env),
+        max_failures=_int(env, "TRAINER_MAX_FAILURES", "the profile's max_failures; unset: no limit")
+        if env.get("TRAINER_MAX_FAILURES") else None,
     )
 
 

@@ -60,6 +60,36 @@ def attempt_id() -> str:
     return os.environ.get("TRAINER_ATTEMPT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
 
 
+def later_attempt(attempt: str, n: int) -> str:
+    """The ``n``-th attempt after ``attempt`` inside one allocation: ``0`` → ``0.n``, ``0.2`` → ``0.(2+n)`` (restarts
+    in place and recoveries in place share the count)."""
+    restart, _, here = attempt.partition(".")
+    return f"{restart}.{int(here or 0) + n}"
+
+
+def next_attempt(events: list[dict[str, Any]], job: str, attempt: str) -> str:
+    """The attempt after ``attempt`` inside its allocation, past every recovery in place the event log holds for it."""
+    restart = attempt.partition(".")[0]
+    taken = [str(e.get("attempt")) for e in events if e.get("event") == "attempt" and str(e.get("job_id")) == job]
+    here = [int(a.partition(".")[2] or 0) for a in [attempt, *taken]
+            if a.partition(".")[0] == restart and (a.partition(".")[2] or "0").isdigit()]
+    return later_attempt(restart, max(here, default=0) + 1)
+
+
+def regroups(events: list[dict[str, Any]], job: str, besides: str | None = None) -> int:
+    """Job ``job``'s recoveries in place (``attempt`` events with ``regroup``), those within attempt ``besides`` left
+    out (the session counts its own)."""
+    return sum(e.get("event") == "attempt" and bool(e.get("regroup")) and str(e.get("job_id")) == job
+               and e.get("within") != besides for e in events)
+
+
+def failures(events: list[dict[str, Any]], job: str, besides: str | None = None) -> int:
+    """The infrastructure failures job ``job`` has had, the number ``max_failures`` limits: the verdicts that found
+    one (``attempt_end``) and the recoveries in place (see :func:`regroups`)."""
+    return regroups(events, job, besides) + sum(e.get("event") == "attempt_end" and str(e.get("job_id")) == job
+                                                and e.get("class") == INFRASTRUCTURE for e in events)
+
+
 def attempt_folder() -> str:
     """The folder of this attempt's records: job id and attempt (a reused run folder keeps other jobs' apart)."""
     return f"{os.environ.get('SLURM_JOB_ID') or 'local'}.{attempt_id()}"

@@ -142,17 +142,22 @@ def form(store: Any, place: Place, backend: str, timeout: timedelta) -> None:
                             rank=place.rank, world_size=place.world_size, timeout=timeout)
 
 
-def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta) -> Place:
-    """After a failed collective: leave the group first (its sockets close, so a survivor still waiting in it fails
-    too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
-    block of the failure, or after freeing the exception's frames (``runtime/recovery.let_go``): they hold the old
-    group, whose sockets would stay open."""
+def leave(place: Place) -> None:
+    """Destroy the failed group (nothing when none is left); warn when something still holds it."""
     if dist.is_initialized():
         failed = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()
         if failed() is not None:  # a survivor waiting on this rank learns nothing until dist.timeout_s
             print(f"warning: rank {place.members[place.rank]}: the failed process group is still held in this process "
                   "(its connections stay open)", file=sys.stderr, flush=True)
+
+
+def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta) -> Place:
+    """After a failed collective: leave the group first (its sockets close, so a survivor still waiting in it fails
+    too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
+    block of the failure, or after freeing the exception's frames (``runtime/recovery.let_go``): they hold the old
+    group, whose sockets would stay open."""
+    leave(place)
     place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds())
     form(store, place, backend, timeout)
     return place
@@ -196,6 +201,20 @@ class Membership:
     def lost(self, wait_s: float = 2.0) -> list[int]:
         """The current members the store marked lost (see ``lost_members``)."""
         return lost_members(self.store, self.place.members, wait_s)
+
+    def lost_at(self, ranks: Iterable[int]) -> float | None:
+        """When the store saw the first of ``ranks`` lost (its host's clock, seconds since the epoch), if it says."""
+        times = []
+        for r in ranks:
+            try:
+                times.append(float(self.store.get(f"lost/{r}").decode()))
+            except (RuntimeError, ValueError):
+                continue
+        return min((t for t in times if t > 1e9), default=None)  # a store before this one wrote "1"
+
+    def leave(self) -> None:
+        """Leave the failed group (see ``leave``): the first part of ``next``, timed apart."""
+        leave(self.place)
 
     def next(self) -> Place:
         """The next generation's place, its group made (see ``next_group``)."""

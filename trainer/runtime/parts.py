@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import open_checkpointer
-from trainer.core import hooks
+from trainer.core import exits, hooks
 from trainer.core.env import DistEnv, JobInfo
-from trainer.core.events import EventLog
+from trainer.core.events import EventLog, read
 from trainer.core.schema import Config
 from trainer.runtime.health.audit import Audit
 from trainer.runtime.health.heartbeat import Heartbeat
@@ -72,6 +72,8 @@ class Parts:
     tracker: Tracker
     group: Group
     saves: Saves
+    failures: int = 0
+    """The job's infrastructure failures before this attempt (``max_failures`` counts them; read where it applies)."""
 
 
 def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], config: dict[str, Any],
@@ -92,7 +94,15 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
     tracker.start(config, restored.run_id)
     group = open_group(s, run, model, objects, restored.step, events, snapshots, wrapper)
     saves = _saves(s, run, group, heartbeat, events, restored, model)
-    return Parts(run, events, heartbeat, Reports(run.path, env, job.pruning), snapshots, restored, tracker, group, saves)
+    return Parts(run, events, heartbeat, Reports(run.path, env, job.pruning), snapshots, restored, tracker, group, saves,
+                 failures_before(s, run.path))
+
+
+def failures_before(s: Setup, run_dir: Path) -> int:
+    """The job's infrastructure failures before this attempt, from its event log, where a limit applies to a regroup."""
+    if s.job.store is None or s.job.max_failures is None:
+        return 0
+    return exits.failures(list(read(run_dir)), str(s.env.job_id), besides=exits.attempt_id())
 
 
 def _saves(s: Setup, run: RunDir, group: Group, heartbeat: Heartbeat, events: EventLog, restored: Resumption,
@@ -150,7 +160,8 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
     restored = Resumption(step=step)
     saves = _saves(s, run, group, heartbeat, events, restored, model)
-    return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves)
+    return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves,
+                 failures_before(s, run.path))
 
 
 def finished(p: Parts, summary: dict[str, Any], step: int, report: bool) -> None:

@@ -88,11 +88,13 @@ class Marks:
             hook.remove()
 
 
-def agree(marks: Marks, env: DistEnv, run_dir: str = "") -> tuple[int, bool, str]:
+def agree(marks: Marks, env: DistEnv, run_dir: str = "") -> tuple[int, bool, str, int]:
     """Collective in the new group: the newest step a member holds, whether every member held it (else the ones
     behind, a spare among them, got the state from the first that did: exact, but their random streams ran on a step
-    further or start from the seed), and the run folder (``run_dir``: this member's, empty for a spare)."""
-    held = tdist.gather(marks.done)
+    further or start from the seed), the run folder (``run_dir``: this member's, empty for a spare), and the number
+    of nodes the group is on."""
+    said = tdist.gather((marks.done, exits.node_name()))
+    held, hosts = [d for d, _ in said], {h for _, h in said}
     newest = max(held)
     source = held.index(newest)
     positions, rng = marks.resume_point()
@@ -111,17 +113,17 @@ def agree(marks: Marks, env: DistEnv, run_dir: str = "") -> tuple[int, bool, str
     if rng is not None and marks.done == newest:
         set_rng_state(rng)
     marks.done = marks.current = newest
-    return newest, not behind, box[1]
+    return newest, not behind, box[1], len(hosts)
 
 
 def take_over(s: Setup, model: nn.Module | None, objects: dict[str, Any],
               wrapper: nn.Module | None) -> tuple[int, Parts, Marks]:
-    """Collective, on a warm spare that took a lost rank's place (``s.env``: that place): the survivors' step, state,
-    loader positions and run folder (their side is ``recover``), and this process's parts. Returns (the step to go on
-    from, the parts, the marks)."""
+    """Collective, on a warm spare that took a lost rank's place (``s.env``: that place, never rank 0): the survivors'
+    step, state, loader positions and run folder (their side is ``recover``), and this process's parts. Returns (the
+    step to go on from, the parts, the marks)."""
     marks = Marks(objects, -1)
-    step, _, run_dir = agree(marks, s.env)
-    s.say(f"a warm spare took rank {s.env.rank}'s place at step {step}")  # rank 0 is a survivor: said on no console
+    step, _, run_dir, nodes = agree(marks, s.env)
+    s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
     return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper), marks
 
 
@@ -139,27 +141,40 @@ def let_go(exc: BaseException) -> None:
 
 def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.Module | None,
            wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]],
-           run_dir: str) -> tuple[DistEnv, int, bool, float]:
+           run_dir: str) -> tuple[DistEnv, int, bool, dict[str, float]]:
     """Collective among the survivors of ``exc`` (a failed collective): the failed group let go, the next one made,
     DDP moved onto it, the step agreed and every loader re-split. Returns (this rank's new place, the step to go on
-    from, whether every member held it, seconds to the new group)."""
+    from, whether every member held it, seconds to let the failed group go (``abort_s``) and to form the next
+    (``rendezvous_s``))."""
     began = time.monotonic()
     let_go(exc)  # the failed group's last holders: its sockets close, so a survivor waiting on this rank fails too
     if isinstance(wrapper, DDP):
         ddp_group.detach(wrapper)
+    membership.leave()
+    left = time.monotonic()
     env = tdist.regroup(membership, env)
-    joined = time.monotonic() - began
+    joined = time.monotonic()
     if isinstance(wrapper, DDP):
         ddp_group.remake(wrapper)
         if env.world_size > 2:  # the buckets a resume at this size sums in (runtime/buckets.py)
             prime_when_resumed(wrapper, lambda: True)
     if model is not None:  # the interrupted step's partial gradients: it runs again
         model.zero_grad(set_to_none=True)
-    step, exact, _ = agree(marks, env, run_dir)
+    step, exact, _, nodes = agree(marks, env, run_dir)
+    env = dataclasses.replace(env, num_nodes=nodes)
     for loader in loaders:
         if not isinstance(loader, Loader):
             reshard(loader, env)
-    return env, step, exact, round(joined, 3)
+    return env, step, exact, {"abort_s": round(left - began, 3), "rendezvous_s": round(joined - left, 3)}
+
+
+def within_budget(lost: list[int], place: Place, s: Setup, failures: int) -> None:
+    """RegroupFailed when one more recovery would pass ``max_failures`` (TRAINER_MAX_FAILURES): ``failures`` the job
+    had before this attempt, and one per generation of it. Every survivor decides alike, with no collective."""
+    limit = s.job.max_failures
+    if limit is not None and failures + place.generation + 1 > limit:
+        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost, and the job has had {failures + place.generation}"
+                            f" infrastructure failure(s) already (max_failures={limit}): the attempt ends")
 
 
 def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setup, parts: Parts,
@@ -168,12 +183,13 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
     """Collective among the survivors of ``lost``: ``rejoin``, then the session's parts for the new group (``s``:
     the session's setup, ``config``: what W&B records). Returns (this rank's place, the step to go on from, the parts);
     RegroupFailed, naming why, when any of it fails: the attempt ends and the restart path takes over."""
-    began, was = time.monotonic(), s.env.world_size
+    noticed, began, was = time.time(), time.monotonic(), s.env.world_size
+    within_budget(lost, membership.place, s, parts.failures)
+    lost_at = membership.lost_at(lost)
     try:
         if s.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
             raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
-        env, step, exact, rendezvous_s = rejoin(exc, membership, s.env, model, wrapper, marks, loaders,
-                                                str(parts.run.path))
+        env, step, exact, times = rejoin(exc, membership, s.env, model, wrapper, marks, loaders, str(parts.run.path))
         s = dataclasses.replace(s, env=env, say=lambda msg: tdist.say(env, msg))  # rank 0 may have moved
         parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
     except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
@@ -181,16 +197,26 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
         raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost and the others could not go on in place "
                             f"({type(err).__name__}: {first}): the attempt ends") from None
     exits.went_on_without(lost)
-    announce(parts.events.emit, s.say, membership.place, lost, was, step, exact, rendezvous_s,
-             time.monotonic() - began)
+    total = time.monotonic() - began
+    phases: dict[str, float | None] = {
+        **times, "detection_s": round(max(0.0, noticed - lost_at), 3) if lost_at else None,
+        "transfer_s": round(max(0.0, total - times["abort_s"] - times["rendezvous_s"]), 3)}
+    announce(parts.events.emit, s, membership.place, lost, was, step, exact, phases, total, lost_at or noticed)
     return env, step, parts
 
 
-def announce(emit: Callable[..., None], say: Callable[[str], None], place: Place, lost: list[int], was: int,
-             step: int, exact: bool, rendezvous_s: float, total_s: float) -> None:
-    """The ``regroup`` event (the first generation's ranks lost, the new members, the breakdown) and one line."""
+def announce(emit: Callable[..., None], s: Setup, place: Place, lost: list[int], was: int, step: int, exact: bool,
+             times: dict[str, float | None], total_s: float, lost_at: float) -> None:
+    """On the new rank 0 (a survivor: the members are the survivors first, then the spares): the recovery as the next
+    attempt of the job (``attempt`` event: ``0`` → ``0.1``, with ``regroup``), its ``regroup`` event (the first
+    generation's ranks lost, the new members, the breakdown by phase) and one line."""
+    env = s.env
+    emit("attempt", durable=True, started=round(lost_at, 3), job_id=env.job_id, restart=s.job.restart_count,
+         attempt=exits.later_attempt(exits.attempt_id(), place.generation), within=exits.attempt_id(), regroup=True,
+         nodes=env.num_nodes, processes=env.world_size, resumed_step=step, strategy=s.cfg.dist.strategy)
     emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
-         world_size=place.world_size, was=was, exact=exact, rendezvous_s=rendezvous_s, total_s=round(total_s, 3))
+         world_size=place.world_size, was=was, exact=exact, **times, total_s=round(total_s, 3))
     went = "a warm spare took the place: " if place.world_size >= was else ""
     size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
-    say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {went}{size} go on from step {step} in {total_s:.2f} s")
+    s.say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {went}{size} go on from step {step} in "
+          f"{total_s:.2f} s")

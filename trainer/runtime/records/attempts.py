@@ -114,12 +114,16 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
         useful = max(0.0, training - a.stall_s - lost * step_s)
         alloc += allocated * nodes
         productive += useful * nodes
-        rows.append({"attempt": i + 1, "job_id": a.info.get("job_id"), "restart": a.info.get("restart"),
+        ended, cause, code = a.verdict.get("class"), a.verdict.get("cause"), a.exit_code
+        if i + 1 < len(runs) and runs[i + 1].info.get("regroup"):  # a lost rank; the others went on: no exit
+            ended, cause, code = "infrastructure", "a rank was lost: the others went on in place", None
+        rows.append({"attempt": i + 1, "id": a.info.get("attempt"), "job_id": a.info.get("job_id"),
+                     "restart": a.info.get("restart"),
                      "nodes": nodes, "processes": a.info.get("processes"), "resumed_step": a.info.get("resumed_step"),
-                     "last_step": a.last_step, "exit": a.exit_code, "allocated_s": allocated, "startup_s": startup,
+                     "last_step": a.last_step, "exit": code, "allocated_s": allocated, "startup_s": startup,
                      "training_s": training, "stall_s": a.stall_s, "lost_steps": lost, "lost_s": lost * step_s,
                      "productive_s": useful, "gap_before_s": a.start - runs[i - 1].end if i else 0.0,
-                     "ended": a.verdict.get("class"), "cause": a.verdict.get("cause"),
+                     "ended": ended, "cause": cause,
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
             "recovery_s": recovery(rows), "recoveries": recoveries(runs), "cadence": cadence(runs, rows),
@@ -152,6 +156,9 @@ def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
     process group, model); restore: the restore itself; first_step: → the first step of the next attempt done."""
     out: list[dict[str, Any]] = []
     for number, (a, b) in enumerate(pairwise(runs), start=1):
+        if b.info.get("regroup"):
+            out += in_place(number, a, b)
+            continue
         end = a.verdict
         if end.get("class") not in ("infrastructure", None) or a.exit_code in (0, 75) or not b.first_step_t:
             continue
@@ -172,6 +179,27 @@ def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
                     "restored_from": b.info.get("restored_from"), "fetched_bytes": b.info.get("fetched_bytes", 0),
                     "recomputed_steps": max(0, a.last_step - int(b.info.get("resumed_step") or 0))})
     return out
+
+
+IN_PLACE = ("detection", "abort", "rendezvous", "transfer", "first_step")
+"""A recovery in place's parts (a regroup, ``Session.regroup``): the store saw the rank lost → the survivors knew
+(detection), the failed group let go (abort), the next group made (rendezvous), the step agreed, the state sent to
+any member behind and the group's parts made again (transfer), → the first step done (first_step)."""
+
+
+def in_place(number: int, a: Attempt, b: Attempt) -> list[dict[str, Any]]:
+    """Attempt ``b``, a recovery in place after attempt ``number`` (``a``), by phase (see :data:`IN_PLACE`)."""
+    said = b.times("regroup")
+    if not said or not b.first_step_t:
+        return []
+    r = said[0]
+    times = {k: float(r.get(f"{k}_s") or 0.0) for k in IN_PLACE[:-1]}
+    times["first_step"] = max(0.0, b.first_step_t - float(b.info["t"]))
+    how = ("a warm spare took the place" if r["world_size"] >= r["was"] else
+           f"{r['world_size']} of {r['was']} processes went on")
+    return [{"after_attempt": number, "cause": f"rank(s) {', '.join(map(str, r['lost']))} lost, {how}",
+             "decision": "in place", **times, "total_s": sum(times.values()), "restored_from": None,
+             "fetched_bytes": 0, "recomputed_steps": max(0, a.last_step - int(b.info.get("resumed_step") or 0))}]
 
 
 SLOW_IMPORTS_S = 5.0
@@ -197,6 +225,11 @@ def startup_lines(runs: list[Attempt]) -> list[str]:
 
 def describe_recovery(r: dict[str, Any]) -> str:
     """One line: a recovery's time to the next first step, by phase, and what it restored and recomputed."""
+    if r["decision"] == "in place":
+        parts = ", ".join(f"{k.replace('_', ' ')} {1000 * r[k]:.0f} ms" for k in IN_PLACE)
+        return (f"recovered in place after attempt {r['after_attempt']} ({r['cause']}; no process started, no file "
+                f"read): {1000 * r['total_s']:.0f} ms from the loss to the next first step ({parts}); "
+                f"{r['recomputed_steps']} step(s) recomputed")
     parts = ", ".join(f"{k.replace('_', ' ')} {r[k]:.1f}" + (f" from {r['restored_from']}" if k == "restore" and
                                                              r["restored_from"] else "") for k in PHASES)
     return (f"recovery after attempt {r['after_attempt']} ({r['decision']}): {r['total_s']:.1f} s from its last step to "
@@ -204,15 +237,9 @@ def describe_recovery(r: dict[str, Any]) -> str:
 
 
 def audit_lines(runs: list[Attempt]) -> list[str]:
-    """One line per straggler named, per replica disagreement (audit.*) and per recovery in place (a regroup), with
-    its attempt."""
+    """One line per straggler named and per replica disagreement (audit.*), with its attempt."""
     out = []
     for i, a in enumerate(runs, start=1):
-        for e in a.times("regroup"):
-            how = ("a warm spare took the place" if e["world_size"] >= e["was"] else
-                   f"{e['world_size']} of {e['was']} processes went on")
-            out.append(f"recovered in place in attempt {i}: rank(s) {', '.join(map(str, e['lost']))} lost, {how} from "
-                       f"step {e['step']} after {1000 * e['total_s']:.0f} ms (no process started, no file read)")
         for e in a.times("straggler"):
             times = ", ".join(f"{n} {ms:g} ms" + (" (slow)" if n == e["node"] else "") for n, ms in e["ms"].items())
             then = "saved and restarted without it" if e["action"] == "restart" else "reported"
@@ -241,7 +268,8 @@ def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] |
 
 def summary(f: dict[str, Any]) -> dict[str, float]:
     """The figures a tracker's run summary keeps (goodput and what it is made of, recoveries by phase)."""
-    phases = {f"recovery/{k}_s": sum(r[k] for r in f["recoveries"]) for k in PHASES} if f["recoveries"] else {}
+    phases = {f"recovery/{k}_s": sum(r.get(k, 0.0) for r in f["recoveries"]) for k in (*PHASES, *IN_PLACE)
+              if any(k in r for r in f["recoveries"])}
     return {"goodput": f["goodput"], "productive_node_s": f["productive_node_s"],
             "allocated_node_s": f["allocated_node_s"], "lost_steps": f["lost_steps"], "checkpoint_stall_s": f["stall_s"],
             "recoveries": len(f["recoveries"]), **phases}
