@@ -31,6 +31,8 @@ from trainer.store import start as start_store
 
 from .conftest import ROOT, SMALL, clean_env, outputs, spawn_ranks
 from .test_elastic import env_of
+from .test_tracking import run_files
+from .wandb_records import summary
 
 LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
 COMMON = ["tracking.mode=disabled", "run.report=false", "train.device=cpu", "checkpoint.poll_steps=1"]
@@ -247,11 +249,17 @@ def test_the_builtin_trainer_goes_on_in_place_when_a_rank_is_killed(tmp_path: Pa
     run = tmp_path / "run"
     with _store(tmp_path) as env:
         env["TRAINER_FAULTS"] = "step_delay_s=0.1"
-        procs = spawn_ranks([*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16", "audit.replicas_every_steps=1"],
+        procs = spawn_ranks([*SMALL, *COMMON, f"run.dir={run}", "data.batch_size=16", "audit.replicas_every_steps=1",
+                             "tracking.mode=offline", "train.log_every=1"],
                             tmp_path, 3, env)  # the replicas compared at every step: equal after the regroup
         outs = _kill_when(procs, 1, _stepped(run, 0))
     [regroup] = _events(run, "regroup")
     assert regroup["lost"] == [1] and regroup["world_size"] == 2 and 0 < regroup["step"] < 21
+    [file] = run_files(run)  # W&B: the next attempt's first row gives its size; the summary counts the recovery
+    rec = summary(file)
+    sizes = {s: h["world/processes"] for s, h in rec["history"].items() if "world/processes" in h}
+    assert sizes == {min(rec["history"]): 3, regroup["step"] + 1: 2}, sizes
+    assert rec["summary"]["recoveries"] == 1 and rec["summary"]["recovery/rendezvous_s"] >= 0, rec["summary"]
     result = json.loads((run / "result.json").read_text())
     assert result["global_step"] == 21 and result["world_size"] == 2 and "test_accuracy" in result  # 1024 // 48
     assert "global batch 48 = 3 process(es) × 16 samples × 1 accumulation step(s): the first attempt's, kept" in outs[0]

@@ -127,6 +127,7 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
     if env.is_main and not p.run.env.is_main:
         events, tracker = EventLog(run.path), Tracker(s.cfg, env, s.job, run.path)
         tracker.start(config, p.restored.run_id)
+    tracker.moved(env)
     snapshots = p.snapshots
     if snapshots:
         snapshots.close(finished=False)

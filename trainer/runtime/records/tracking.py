@@ -116,6 +116,10 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
+    def moved(self, env: DistEnv) -> None:
+        """The group went on in place with ``env`` (a regroup: the next attempt): its first row gives the new size."""
+        self.env, self.floor = env, self.last_step
+
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
         """Write the final summary and close the run (``exit_code``: the process's, so W&B marks a failed run)."""
         if self.run is None:
