@@ -294,6 +294,32 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     assert "recovered in place after attempt 1 (rank(s) 2 lost, 2 of 3 processes went on" in report, report
 
 
+def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(slurm_env: dict[str, str],
+                                                                              tmp_path: Path) -> None:
+    """regroup: true on three nodes, no spare node: rank 2 SIGKILLed from outside (its node lives). The two others go
+    on at once; the job's store starts a warm spare on that node (--on-lost: srun --overlap), which the group takes in
+    at a step boundary: the job finishes on three processes, in one attempt of Slurm's, the replicas equal."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(step_delay_s=0.4, at={"0": {"wait_at_step": 4}}),
+           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, "train.epochs=4", f"run.dir={run}"], ["nodes=3", "regroup=true"])
+    held(run, ranks=3)
+    node = kill_rank(job, 2, 0)
+    go(run)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["world_size"] == 3 and not result["resumed_from"], result
+    assert len(result["param_checksums"]) == 3 and len(set(result["param_checksums"])) == 1, result
+    shrink, grow = events(run, "regroup")
+    assert (shrink["lost"], shrink["world_size"], grow["lost"], grow["world_size"]) == ([2], 2, [], 3), (shrink, grow)
+    assert grow["members"][:2] == [0, 1] and grow["members"][2] >= 1_000_000, grow  # the replacement, a spare
+    starts = [(e["attempt"], e.get("regroup"), e.get("grew")) for e in events(run, "attempt")]
+    assert starts == [("0", None, None), ("0.1", True, None), ("0.2", None, True)], starts
+    assert f"rank 2 lost on {node}" in (run / "store.log").read_text()
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs
+    print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up)")
+
+
 @pytest.mark.slurm_compat  # a second step beside the training one (the spare), on each version
 def test_a_warm_spare_on_the_spare_node_takes_the_killed_ranks_place(slurm_env: dict[str, str],
                                                                      tmp_path: Path) -> None:

@@ -309,6 +309,47 @@ def test_a_warm_spare_takes_the_lost_ranks_place_and_the_run_ends_as_a_restart_w
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_group_that_went_on_smaller_grows_back_when_a_warm_spare_comes(tmp_path: Path) -> None:
+    """Three ranks and no spare; rank 2 SIGKILLed from outside after step 8: two go on. A warm spare started after
+    that (a replacement on a node that came back) is taken in at the next poll, with no rank lost: three again. The
+    run ends as one saved at each change of size and resumed on the new one would, bit for bit."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    with _store(tmp_path) as env:
+        procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.3"], tmp_path, 3, env, script=LOOP)
+        spare_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
+        try:
+            deadline, ready = time.monotonic() + 180, _stepped(run, 8)
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.killpg(procs[2].pid, signal.SIGKILL)
+            while not ((run / "events.jsonl").exists() and _events(run, "regroup")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            spare = warm.Popen([sys.executable, str(LOOP), *COMMON, f"run.dir={run}"], cwd=tmp_path,
+                               env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs[2] = spare
+            outs = outputs(procs, timeout=180)
+        finally:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+    shrink, grow = _events(run, "regroup")
+    k, j = shrink["step"], grow["step"]
+    assert (grow["lost"], grow["was"], grow["world_size"], grow["members"]) == ([], 2, 3, [0, 1, SPARE_BASE]), grow
+    assert [(a["attempt"], a.get("regroup"), a.get("grew")) for a in _events(run, "attempt")] == \
+           [("0", None, None), ("0.1", True, None), ("0.2", None, True)]  # growing back is no failure
+    assert f"grew back: warm spares joined, 2 → 3 processes go on from step {j}" in outs[0]
+    _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
+    _ranks([f"run.dir={ref}", "--stop", str(j)], tmp_path, 2)  # … on two to j …
+    _ranks([f"run.dir={ref}"], tmp_path, 3)  # … and on three again
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)
+    assert {w for s, (w, _) in steps.items() if s > j} == {3}
+    a, b = torch.load(ref / "final.pt", weights_only=True), torch.load(run / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 FRESH = """
 import gc, sys, weakref
 import torch, torch.distributed as dist

@@ -178,10 +178,16 @@ def test_a_recovery_in_place_is_an_attempt_of_the_report_and_of_status(tmp_path:
                "world_size": 2, "was": 3, "exact": True, "detection_s": 0.05, "abort_s": 0.01, "rendezvous_s": 0.004,
                "transfer_s": 0.011, "total_s": 0.025},
               {"t": 15.3, "event": "first_step", "step": 8},
+              {"t": 17.0, "event": "attempt", "started": 17.0, "job_id": "5", "attempt": "0.2", "within": "0",
+               "grew": True, "nodes": 3, "processes": 3, "resumed_step": 8},
+              {"t": 17.0, "event": "regroup", "step": 8, "lost": [], "generation": 2, "members": [0, 1, 1000000],
+               "world_size": 3, "was": 2, "exact": False, "abort_s": 0.01, "rendezvous_s": 0.004,
+               "transfer_s": 0.011, "total_s": 0.031},
               {"t": 20.0, "event": "exit", "code": 0, "step": 9}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     f = figures(attempts(tmp_path))
-    assert [(r["id"], r["processes"], r["ended"]) for r in f["attempts"]] == [("0", 3, "infrastructure"), ("0.1", 2, None)]
+    assert [(r["id"], r["processes"], r["ended"]) for r in f["attempts"]] == \
+           [("0", 3, "infrastructure"), ("0.1", 2, None), ("0.2", 3, None)]  # growing back: no failure
     [r] = f["recoveries"]
     assert (r["detection"], r["abort"], r["rendezvous"], r["transfer"]) == (0.05, 0.01, 0.004, 0.011)
     assert r["first_step"] == pytest.approx(0.1) and r["recomputed_steps"] == 1
@@ -192,3 +198,6 @@ def test_a_recovery_in_place_is_an_attempt_of_the_report_and_of_status(tmp_path:
     assert line in path.read_text() and line in table
     said = attempt_lines(Record("job", "5", "x"), events)
     assert said[1].startswith("  0.1  ") and said[1].endswith("2 node(s)  recovered in place: 2 processes from step 7")
+    assert said[2].startswith("  0.2  ") and said[2].endswith("3 node(s)  grew back: 3 processes from step 8")
+    assert ("grew back in attempt 3: warm spares joined, 2 → 3 processes from step 8 in 31 ms (no rank lost)"
+            in table)

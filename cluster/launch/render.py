@@ -117,20 +117,30 @@ def _srun(p: Profile, python: str, keep: bool = False) -> tuple[str, str]:
     return srun, "python3" if inside else shlex.quote(python)
 
 
-def store_lines(python: str, max_failures: int) -> list[str]:
+def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
     """Start this attempt's store (``python -m trainer.store``) beside the batch shell, on the first node, and export
     where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other. Recoveries in
-    place count against ``max_failures`` (TRAINER_MAX_FAILURES)."""
+    place count against ``max_failures`` (TRAINER_MAX_FAILURES). ``replace``: the training command (its overrides, not
+    sbatch's, which follow): the store starts it as a warm spare on each lost rank's node (``--on-lost``), taken in at
+    a step boundary where the node still runs processes."""
+    on_lost = ""
+    if replace:
+        srun = ('TRAINER_SPARE=$(( 1000 + TRAINER_REPLACEMENT )) srun --overlap --kill-on-bad-exit=0 --label --nodes=1 '
+                f'--ntasks=1 --nodelist="$TRAINER_LOST_NODE" {replace}')
+        on_lost = " --on-lost \"$on_lost\""
     return [
         "# The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on",
         "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
+        *(["# A warm spare is started on the lost rank's node (if it still runs processes) and joins at a step boundary.",
+           f"on_lost={shlex.quote(srun)}$( (( $# == 0 )) || printf ' %q' \"$@\")"] if replace else []),
         f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
+        'store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"',
-        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" >> "$RUN_DIR/store.log" 2>&1 &',
+        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" --host-name "$store_host"{on_lost} '
+        '>> "$RUN_DIR/store.log" 2>&1 &',
         "store_pid=$!",
         'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
         'if read -r store_port presence_port 2>/dev/null < "$store_file"; then',
-        '  store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         '  export TRAINER_STORE="$store_host:$store_port:$presence_port"',
         "else",
         '  echo "note: the job\'s store did not start ($RUN_DIR/store.log): a lost rank restarts the attempt" >&2',
@@ -165,7 +175,9 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
         spares = spare_lines(p, f"{py} -m {module}{overrides}") if keep and p.spare_nodes else []
-        return [*(store_lines(python, p.max_failures) if keep else []), *spares, f"{srun} {py} -m {module}{overrides}"]
+        fixed = "".join(f" {shlex.quote(a)}" for a in args)  # a replacement gets sbatch's overrides from the store line
+        store = store_lines(python, p.max_failures, f"{py} -m {module}{fixed}" if user_args else "") if keep else []
+        return [*store, *spares, f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
     # (inherited through exec), the trainers it starts install their own handler.

@@ -67,12 +67,15 @@ def attempt_lines(record: Record, events: list[dict[str, Any]]) -> list[str]:
     attempt is a ``job_start`` and the verdict after it (a restart on spare nodes, ``0.1``, starts again in place), or
     a recovery in place inside one (an ``attempt`` event with ``regroup``: no process started)."""
     job = record.job_id
+    inside = ("regroup", "grew")
     mine = [e for e in events if str(e.get("job_id")) == job and (e.get("event") in ("job_start", "attempt_end")
-                                                                  or e.get("event") == "attempt" and e.get("regroup"))]
+                                                                  or e.get("event") == "attempt"
+                                                                  and any(e.get(k) for k in inside))]
     out = []
     for i, e in enumerate(mine):
         if e.get("event") == "attempt":
-            out.append(f"  {e.get('attempt')}  {_when(e.get('t'))}  {e.get('nodes')} node(s)  recovered in place: "
+            how = "recovered in place" if e.get("regroup") else "grew back"
+            out.append(f"  {e.get('attempt')}  {_when(e.get('t'))}  {e.get('nodes')} node(s)  {how}: "
                        f"{e.get('processes')} processes from step {e.get('resumed_step')}")
         if e.get("event") != "job_start":
             continue

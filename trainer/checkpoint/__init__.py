@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from trainer.checkpoint.base import Checkpointer
 
 
+def sharded_format(format: str, strategy: str) -> bool:
+    """Whether checkpoints are DCP shards (every rank writes its part): ``checkpoint.format`` dcp, or auto under fsdp."""
+    return format == "dcp" or (format == "auto" and strategy == "fsdp")
+
+
 def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int,
                       on_write: Callable[[], None] | None = None, model: nn.Module | None = None) -> Checkpointer:
     """The sharded (DCP) checkpointer for ``model``'s shards, else the single-file one (``on_write``: a sign of life

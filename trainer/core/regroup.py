@@ -23,8 +23,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer.core.exits import node_name
+
 SPARE_BASE = 1_000_000
 """Warm spares go by ``SPARE_BASE + their number``: no rank of a job has such a number."""
+
+
+class Grow(RuntimeError):
+    """Warm spares wait at the store while the group is smaller than the job's first: the ranks agreed at this step
+    boundary to take them in. Raised by ``Session.should_save`` into the loop's ``except RuntimeError``, whose
+    ``Session.regroup`` does it; no rank was lost."""
 
 
 class RegroupFailed(RuntimeError):
@@ -60,13 +68,13 @@ class Presence:
     """This rank's connection to the store process, open as long as the process lives (TCP keepalive: a node that
     vanishes without closing it is noticed in about 5 s)."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout: float = 60.0) -> None:
+    def __init__(self, host: str, port: int, rank: int, timeout: float = 60.0, node: str = "") -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for option, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
             if hasattr(socket, option):
                 self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        self.sock.sendall(f"{rank}\n".encode())
+        self.sock.sendall(f"{rank} node={node}\n".encode() if node else f"{rank}\n".encode())
 
     def close(self) -> None:
         """A rank that ends cleanly says so first: ``done`` is not ``lost``."""
@@ -77,10 +85,12 @@ class Presence:
 
 
 def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout: float = 60.0,
-         sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Place:
+         sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+         size: int | None = None) -> Place:
     """Join ``generation`` as rank ``origin`` of the first generation (the name ranks go by); the first to arrive
-    decides the members, with waiting spares in the lost ranks' places. A rank neither lost nor joined within
-    ``timeout`` (hung) is left out. Raises RuntimeError if this rank is not among the members (it came too late)."""
+    decides the members, with waiting spares in the lost ranks' places up to ``size`` members (default: as many as
+    ``known``). A rank neither lost nor joined within ``timeout`` (hung) is left out. Raises RuntimeError if this rank
+    is not among the members (it came too late)."""
     prefix = f"generation/{generation}"
     store.set(f"{prefix}/joined/{origin}", "1")
     if int(store.add(f"{prefix}/arrived", 1)) == 1:
@@ -92,7 +102,8 @@ def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout
                 break
             sleep(0.01)  # a survivor still on its way out of the failed collective
         spares = waiting_spares(store)
-        members = decide(ranks, lost | {r for r in spares if store.check([f"lost/{r}"])}, joined, spares, len(ranks))
+        members = decide(ranks, lost | {r for r in spares if store.check([f"lost/{r}"])}, joined, spares,
+                         size or len(ranks))
         for r in members:
             if r in spares:
                 store.set(f"spare/{r}/generation", str(generation))  # a spare waits on this key (take_place)
@@ -152,13 +163,14 @@ def leave(place: Place) -> None:
                   "(its connections stay open)", file=sys.stderr, flush=True)
 
 
-def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta) -> Place:
+def next_group(store: Any, place: Place, known: Iterable[int], backend: str, timeout: timedelta,
+               size: int | None = None) -> Place:
     """After a failed collective: leave the group first (its sockets close, so a survivor still waiting in it fails
     too and comes), join the next generation, and make its group. No process starts. Call it outside the ``except``
     block of the failure, or after freeing the exception's frames (``runtime/recovery.let_go``): they hold the old
     group, whose sockets would stay open."""
     leave(place)
-    place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds())
+    place = join(store, place.generation + 1, place.members[place.rank], known, timeout.total_seconds(), size=size)
     form(store, place, backend, timeout)
     return place
 
@@ -189,13 +201,15 @@ class Membership:
         importlib.import_module("torch._dynamo")
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         origin = rank if spare is None else SPARE_BASE + spare
-        self.presence = Presence(host, presence_port, origin, timeout.total_seconds())
-        self.backend, self.timeout = backend, timeout
+        self.presence = Presence(host, presence_port, origin, timeout.total_seconds(), node_name())
+        self.backend, self.timeout, self.size = backend, timeout, world_size
         if spare is None:
             self.place = Place.first(rank, world_size)
+            self.store.set("size", str(world_size))  # the job's size, which a spare may grow a smaller group back to
         else:
             offer_spare(self.store, origin)
             self.place = take_place(self.store, origin)
+            self.size = int(self.store.get("size").decode())
         form(self.store, self.place, backend, timeout)
 
     def lost(self, wait_s: float = 2.0) -> list[int]:
@@ -218,8 +232,13 @@ class Membership:
 
     def next(self) -> Place:
         """The next generation's place, its group made (see ``next_group``)."""
-        self.place = next_group(self.store, self.place, self.place.members, self.backend, self.timeout)
+        self.place = next_group(self.store, self.place, self.place.members, self.backend, self.timeout, self.size)
         return self.place
+
+    def can_grow(self) -> bool:
+        """Whether warm spares wait while the group is smaller than the job's first generation (a store round trip
+        or a few; nothing when the group has its size)."""
+        return self.place.world_size < self.size and bool(waiting_spares(self.store))
 
     def close(self) -> None:
         """This rank ends on purpose (finished, or failed on its own): not lost, and the attempt is over, so the

@@ -21,7 +21,9 @@ from trainer.checkpoint import open_checkpointer
 from trainer.core import exits, hooks
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.events import EventLog, read
+from trainer.core.regroup import Grow, Membership
 from trainer.core.schema import Config
+from trainer.runtime.growth import Growth
 from trainer.runtime.health.audit import Audit
 from trainer.runtime.health.heartbeat import Heartbeat
 from trainer.runtime.records.rundir import RunDir
@@ -47,6 +49,8 @@ class Setup:
     """Checkpoints in the sharded format (every rank writes its part)."""
     say: Callable[[str], None]
     """Print on rank 0."""
+    membership: Membership | None = None
+    """This rank's share of a job whose store runs apart (it can regroup and grow back), else None."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,14 @@ class Group:
 
     audit: Audit
     policy: SavePolicy
+    growth: Growth | None = None
+    """Whether to grow back at this step (a group that can regroup, and is not sharded)."""
+
+    def grow_if_due(self, step: int, busy: bool) -> None:
+        """After the poll at ``step``: ``Grow`` when the ranks agreed to grow back, unless they save or stop now
+        (``busy``)."""
+        if self.growth and self.growth.due and not busy:
+            raise Grow(f"warm spares wait at step {step}: the group grows back (Session.regroup)")
 
 
 @dataclass(frozen=True)
@@ -144,9 +156,10 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
     """Collective: the audits from ``step`` on, and the save policy whose poll also agrees the snapshots' interval
     and the straggler meter's times."""
     audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say, wrapper)
+    growth = Growth(s.membership) if s.membership and s.cfg.dist.strategy != "fsdp" else None
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
-                         s.job.end_time, parts=(snapshots, audit.meter))
-    return Group(audit, policy)
+                         s.job.end_time, parts=(snapshots, audit.meter, growth))
+    return Group(audit, policy, growth)
 
 
 def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict[str, Any], step: int,

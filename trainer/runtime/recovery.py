@@ -180,11 +180,15 @@ def within_budget(lost: list[int], place: Place, s: Setup, failures: int) -> Non
 def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setup, parts: Parts,
             model: nn.Module | None, wrapper: nn.Module | None, marks: Marks, loaders: list[Loader | DataLoader[Any]],
             objects: dict[str, Any], config: dict[str, Any]) -> tuple[DistEnv, int, Parts]:
-    """Collective among the survivors of ``lost``: ``rejoin``, then the session's parts for the new group (``s``:
-    the session's setup, ``config``: what W&B records). Returns (this rank's place, the step to go on from, the parts);
-    RegroupFailed, naming why, when any of it fails: the attempt ends and the restart path takes over."""
+    """Collective among the survivors of ``lost`` (none: the group grows back, ``Grow``): ``rejoin``, then the
+    session's parts for the new group (``s``: the session's setup, ``config``: what W&B records). Returns (this rank's
+    place, the step to go on from, the parts); RegroupFailed, naming why, when any of it fails: the attempt ends and
+    the restart path takes over."""
     noticed, began, was = time.time(), time.monotonic(), s.env.world_size
-    within_budget(lost, membership.place, s, parts.failures)
+    if lost:
+        within_budget(lost, membership.place, s, parts.failures)
+    else:  # growing: the group is whole, and a background save may still use it
+        parts.saves.checkpointer.wait()
     lost_at = membership.lost_at(lost)
     try:
         if s.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
@@ -194,8 +198,9 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
         parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
     except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost and the others could not go on in place "
-                            f"({type(err).__name__}: {first}): the attempt ends") from None
+        what = f"rank(s) {', '.join(map(str, lost))} lost and the others" if lost else "the group"
+        raise RegroupFailed(f"{what} could not go on in place ({type(err).__name__}: {first}): the attempt "
+                            "ends") from None
     exits.went_on_without(lost)
     total = time.monotonic() - began
     phases: dict[str, float | None] = {
@@ -211,11 +216,16 @@ def announce(emit: Callable[..., None], s: Setup, place: Place, lost: list[int],
     attempt of the job (``attempt`` event: ``0`` → ``0.1``, with ``regroup``), its ``regroup`` event (the first
     generation's ranks lost, the new members, the breakdown by phase) and one line."""
     env = s.env
+    why = {"regroup": True} if lost else {"grew": True}  # a loss counts against max_failures; growing back does not
     emit("attempt", durable=True, started=round(lost_at, 3), job_id=env.job_id, restart=s.job.restart_count,
-         attempt=exits.later_attempt(exits.attempt_id(), place.generation), within=exits.attempt_id(), regroup=True,
+         attempt=exits.later_attempt(exits.attempt_id(), place.generation), within=exits.attempt_id(), **why,
          nodes=env.num_nodes, processes=env.world_size, resumed_step=step, strategy=s.cfg.dist.strategy)
     emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
          world_size=place.world_size, was=was, exact=exact, **times, total_s=round(total_s, 3))
+    if not lost:
+        s.say(f"grew back: warm spares joined, {was} → {place.world_size} processes go on from step {step} in "
+              f"{total_s:.2f} s")
+        return
     went = "a warm spare took the place: " if place.world_size >= was else ""
     size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
     s.say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {went}{size} go on from step {step} in "

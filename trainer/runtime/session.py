@@ -24,12 +24,13 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from trainer.checkpoint import sharded_format
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed
 from trainer.checkpoint.state import STATE_VERSION, PerRank, check_names, check_plain, collect, own_fields
@@ -39,6 +40,7 @@ from trainer.core.config import load, to_dict, to_yaml
 from trainer.core.env import discover, job_info
 from trainer.core.events import EventLog, process_start
 from trainer.core.legacy import deprecations
+from trainer.core.regroup import Grow
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
@@ -55,8 +57,6 @@ from trainer.runtime.saving.signals import Preemption, saving_signals
 from trainer.testing import faults
 
 __all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
-
-_T = TypeVar("_T")
 
 class Session:
     """One process's share of a job: from the environment and a config (``key=value`` overrides or a Config)."""
@@ -86,9 +86,8 @@ class Session:
             raise
 
     def _attributes(self) -> None:
-        """Every attribute exists before ``restore``, which opens the run folder and brings its parts (the hang
-        watchdog, the checkpointer, the save policy, the tracker: trainer/runtime/parts.py): before it, using them
-        says so."""
+        """Every attribute exists before ``restore``, which opens the run folder and brings its parts (the watchdog, the
+        checkpointer, the save policy, the tracker: trainer/runtime/parts.py); before it, using them says so."""
         self.parts: Parts | None = None
         self.marks: Marks | None = None
         self.objects: dict[str, Any] = {}
@@ -111,8 +110,7 @@ class Session:
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         self.wrapper: nn.Module | None = None
         """DDP around ``model`` (its forward broadcasts buffers: a wait the straggler meter leaves out)."""
-        fmt = self.cfg.checkpoint.format
-        self.sharded_checkpoints = fmt == "dcp" or (fmt == "auto" and self.cfg.dist.strategy == "fsdp")
+        self.sharded_checkpoints = sharded_format(self.cfg.checkpoint.format, self.cfg.dist.strategy)
 
     @property
     def heartbeat(self) -> Heartbeat:
@@ -206,8 +204,7 @@ class Session:
         """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
         load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
         check_names(objects)
-        self.objects = objects
-        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
+        self.objects, setup = objects, self._setup()
         if self.job.spare is not None and self.membership:  # a spare taking a lost rank's place: from the others
             self.step, self.parts, self.marks = take_over(setup, self.model, objects, self.wrapper)
             start_workers(*self.loaders)
@@ -245,16 +242,20 @@ class Session:
                 self.events.emit("first_step", step=step, stop=stop)
                 self.heartbeat.start()
 
+    def _setup(self) -> Setup:  # what the parts are built from, now
+        return Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print,
+                     self.membership)
+
     def regroup(self, exc: BaseException) -> int:
-        """Call it from the loop's ``except RuntimeError as exc:`` around ``steps``. When a peer was lost (the job's
-        store, TRAINER_STORE, says so), the survivors form a new group, agree on the newest step they hold and go on
-        from it in this process: the step to continue ``steps`` from. Any other error is raised again."""
-        m, p = self.membership, _opened(self.parts)
-        if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (lost := m.lost()):
+        """Call it from the loop's ``except RuntimeError as exc:`` around ``steps``. A peer lost (the job's store,
+        TRAINER_STORE, says so) or warm spares come to a smaller group (``Grow``): the members form a new group and go
+        on in this process from the newest step they hold, returned (continue ``steps`` from it). Else: raised again."""
+        m, p, grow = self.membership, _opened(self.parts), isinstance(exc, Grow)
+        if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (grow or (lost := m.lost())):
             raise exc
-        setup = Setup(self.cfg, self.env, self.job, self.device, self.preemption, self.sharded_checkpoints, self.print)
-        self.env, self.step, self.parts = recover(exc, lost, m, setup, p, self.model, self.wrapper, self.marks,
-                                                  self.loaders, self.objects, {**self.config_dict, **self.extra_config})
+        config = {**self.config_dict, **self.extra_config}
+        self.env, self.step, self.parts = recover(exc, [] if grow else lost, m, self._setup(), p, self.model,
+                                                  self.wrapper, self.marks, self.loaders, self.objects, config)
         self.events = self.parts.events
         return self.step
 
@@ -313,6 +314,7 @@ class Session:
         if p.snapshots and not (poll.due or self.preempted) and p.snapshots.due(step):
             p.snapshots.take(*self._state(step), step)
             p.group.audit.synced()
+        p.group.grow_if_due(step, poll.due or self.preempted)  # agreed: every rank raises Grow, or none
         return poll.due or self.preempted
 
     @property
@@ -390,9 +392,9 @@ class Session:
         self.close(exit_code=0 if kind is None else 1)
 
 
-def _opened(part: _T | None) -> _T:
-    """A part of the run folder, once ``restore`` has opened it."""
-    if part is None:
+def _opened(parts: Parts | None) -> Parts:
+    """The run's parts, once ``restore`` has opened the run folder."""
+    if parts is None:
         raise RuntimeError("call Session.restore(...) first: it opens the run folder and loads the checkpoint")
-    return part
+    return parts
 

@@ -237,9 +237,13 @@ def describe_recovery(r: dict[str, Any]) -> str:
 
 
 def audit_lines(runs: list[Attempt]) -> list[str]:
-    """One line per straggler named and per replica disagreement (audit.*), with its attempt."""
+    """One line per straggler named, per replica disagreement (audit.*) and per growing back, with its attempt."""
     out = []
     for i, a in enumerate(runs, start=1):
+        for e in a.times("regroup"):
+            if not e["lost"]:
+                out.append(f"grew back in attempt {i}: warm spares joined, {e['was']} → {e['world_size']} processes "
+                           f"from step {e['step']} in {1000 * e['total_s']:.0f} ms (no rank lost)")
         for e in a.times("straggler"):
             times = ", ".join(f"{n} {ms:g} ms" + (" (slow)" if n == e["node"] else "") for n, ms in e["ms"].items())
             then = "saved and restarted without it" if e["action"] == "restart" else "reported"
