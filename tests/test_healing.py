@@ -294,6 +294,7 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     assert "recovered in place after attempt 1 (rank(s) 2 lost, 2 of 3 processes went on" in report, report
 
 
+@pytest.mark.slurm_compat  # srun --overlap on a node of the running step, started by the store, on each version
 def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(slurm_env: dict[str, str],
                                                                               tmp_path: Path) -> None:
     """regroup: true on three nodes, no spare node: rank 2 SIGKILLed from outside (its node lives). The two others go
