@@ -301,9 +301,9 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     on at once; the job's store starts a warm spare on that node (--on-lost: srun --overlap), which the group takes in
     at a step boundary: the job finishes on three processes, in one attempt of Slurm's, the replicas equal."""
     run = tmp_path / "run"
-    env = {**slurm_env, **faults(step_delay_s=0.4, at={"0": {"wait_at_step": 4}}),
+    env = {**slurm_env, **faults(step_delay_s=0.25, at={"0": {"wait_at_step": 4}}),  # 75 steps after the kill: room
            "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, "train.epochs=4", f"run.dir={run}"], ["nodes=3", "regroup=true"])
+    job = submit(env, "sbatch", [*SLOW, "train.epochs=8", f"run.dir={run}"], ["nodes=3", "regroup=true"])
     held(run, ranks=3)
     node = kill_rank(job, 2, 0)
     go(run)
@@ -319,6 +319,27 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
     assert runs == ["COMPLETED"], runs
     print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up)")
+
+
+def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """regroup: true on three nodes: rank 2 SIGSTOPped from outside (a hang its own watchdog cannot report). The
+    others' watchdogs find it stuck, the job's store kills it on its node (srun --overlap kill), and the two go on in
+    place: the job finishes in one attempt, the verdict blaming the stuck rank's node."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, "dist.heartbeat_timeout_s=4", f"run.dir={run}"], ["nodes=3", "regroup=true"])
+    held(run, ranks=3)
+    node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
+    go(run)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
+    [regroup] = events(run, "regroup")
+    assert regroup["lost"] == [2], regroup
+    [end] = events(run, "attempt_end")
+    assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"] and end["blamed"] == [node], end
+    assert f"rank 2 on {node}" in (run / "store.log").read_text() and "is stuck" in (run / "store.log").read_text()
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs
 
 
 @pytest.mark.slurm_compat  # a second step beside the training one (the spare), on each version

@@ -64,15 +64,17 @@ def _store(tmp: Path) -> Iterator[dict[str, str]]:
         store.communicate(timeout=60)
 
 
-def _kill_when(procs: list[Any], lost: int, ready: Callable[[], bool]) -> list[str]:
-    """SIGKILL rank ``lost`` (its process group) from outside once ``ready()``; the others' outputs, each exit 0."""
+def _kill_when(procs: list[Any], lost: int, ready: Callable[[], bool],
+               sig: signal.Signals = signal.SIGKILL) -> list[str]:
+    """SIGKILL (``sig``) rank ``lost`` (its process group) from outside once ``ready()``; the others' outputs, each
+    exit 0."""
     try:
         deadline = time.monotonic() + 180
         while not ready():
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
                 outputs([p for p in procs if p.poll() is not None], timeout=5)
             time.sleep(0.02)
-        os.killpg(procs[lost].pid, signal.SIGKILL)
+        os.killpg(procs[lost].pid, sig)
         rest = [p for r, p in enumerate(procs) if r != lost]
         outs = outputs(rest, timeout=180)
         assert [p.returncode for p in rest] == [0] * len(rest), "\n".join(outs)
@@ -140,6 +142,23 @@ def test_a_recovery_past_max_failures_ends_the_attempt(tmp_path: Path) -> None:
     assert all(p.returncode not in (0, None) for p in procs[:2]), "\n".join(outs)
     assert all("max_failures=0" in o for o in outs), outs
     assert not _events(run, "regroup") and len(_events(run, "attempt")) == 1
+
+
+def test_a_stopped_rank_is_killed_by_the_store_and_the_others_go_on_in_place(tmp_path: Path) -> None:
+    """Rank 2 of 3 SIGSTOPped from outside (a hang its own watchdog cannot report): after dist.heartbeat_timeout_s the
+    others' watchdogs find it stuck and ask the store to kill it (it runs on the store's host), their collective
+    fails, and the two go on in place. The hang report stays; the run ends as one saved there and resumed on two."""
+    run = tmp_path / "run"
+    with _store(tmp_path) as env:
+        procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05", "dist.heartbeat_timeout_s=3"], tmp_path, 3,
+                            env, script=LOOP)
+        outs = _kill_when(procs, 2, _stepped(run, 8), signal.SIGSTOP)
+    [regroup] = _events(run, "regroup")  # the survivors finished: only the store can have killed rank 2 meanwhile
+    assert (regroup["lost"], regroup["world_size"]) == ([2], 2), regroup
+    assert "rank   2 ?      wrote nothing" in (run / "hang" / "report.txt").read_text()
+    assert f"regrouped: rank(s) 2 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and json.loads((run / "result.json").read_text())["global_step"] == 30
 
 
 def test_an_error_of_one_rank_is_no_lost_peer_and_ends_the_attempt_on_every_rank(tmp_path: Path) -> None:

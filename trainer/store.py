@@ -10,7 +10,9 @@ SIGINT. ``--port 0`` takes free ports; ``--port-file`` gets "STORE_PORT PRESENCE
 ran), TRAINER_REPLACEMENT (1, 2, …: a number for a warm spare it may start) and TRAINER_STORE (this store, at
 ``--host-name``) in its environment: the batch script
 starts a warm spare on the lost rank's node there, which the group takes in at a step boundary when the node still
-runs processes (only the process was lost). The commands still running when the store stops are ended with it.
+runs processes (only the process was lost). ``--on-hang CMD`` kills a rank the others found stuck (the hang
+watchdog: ``hung/<k>``), with TRAINER_HUNG_RANK, TRAINER_HUNG_NODE and TRAINER_HUNG_PID; without it the store kills
+it where it runs on this host. The commands still running when the store stops are ended with it.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from pathlib import Path
 from typing import Any
 
 
-def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, str], None] = lambda r, n: None) -> None:
-    """Accept presence connections; a rank whose connection ends without ``done`` is lost (``on_lost(rank, node)``)."""
+def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, str], None] = lambda r, n: None,
+                   on_hung: Callable[[int, str, int], None] = lambda r, n, p: None) -> None:
+    """Accept presence connections; a rank whose connection ends without ``done`` is lost (``on_lost(rank, node)``).
+    Between events, the ranks the others asked to have killed (``hung/<k>``, stuck): ``on_hung(rank, node, pid)``."""
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     seen: dict[socket.socket, bytes] = {}
+    asked = 0
     while True:
-        for key, _ in sel.select():
+        for key, _ in sel.select(timeout=0.2):
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
             if sock is server:
                 conn, _ = server.accept()
@@ -53,32 +58,60 @@ def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, st
                 continue
             sel.unregister(sock)
             sock.close()
-            words = seen.pop(sock).decode(errors="replace").split()
-            if words and words[0].isdigit():
-                lost = "done" not in words[1:]
+            rank, facts, words = hello(seen.pop(sock))
+            if rank is not None:
+                lost = "done" not in words
                 # the value: when (the store host's clock), for the recovery's detection time
-                store.set(f"{'lost' if lost else 'ended'}/{words[0]}", f"{time.time():.3f}")
+                store.set(f"{'lost' if lost else 'ended'}/{rank}", f"{time.time():.3f}")
                 if lost:
-                    on_lost(int(words[0]), next((w[5:] for w in words if w.startswith("node=")), ""))
+                    on_lost(rank, facts.get("node", ""))
+        while asked < int(store.add("hung/count", 0)):
+            stuck = int(store.get(f"hung/{asked}").decode())
+            asked += 1
+            live = {r: f for r, f, _ in map(hello, seen.values()) if r is not None}
+            if stuck in live and live[stuck].get("pid", "").isdigit():
+                on_hung(stuck, live[stuck].get("node", ""), int(live[stuck]["pid"]))
 
 
-class Replacements:
-    """``--on-lost``: the command for each lost rank, in a process of its own; those still running end with the store."""
+def hello(said: bytes) -> tuple[int | None, dict[str, str], list[str]]:
+    """What a presence connection said: its rank, its ``key=value`` facts (pid, node) and its words."""
+    words = said.decode(errors="replace").split()
+    facts = dict(w.split("=", 1) for w in words if "=" in w)
+    return (int(words[0]) if words and words[0].isdigit() else None), facts, words
 
-    def __init__(self, command: str | None) -> None:
-        self.command, self.count = command, 0
+
+class Actions:
+    """What the store runs for the job's ranks, each command in a process of its own: ``--on-lost`` for each rank
+    lost, ``--on-hang`` for each rank the others found stuck (without it: SIGKILL where the rank runs on this host).
+    The commands still running end with the store."""
+
+    def __init__(self, on_lost: str | None, on_hang: str | None) -> None:
+        self.on_lost, self.on_hang, self.count = on_lost, on_hang, 0
         self.started: list[subprocess.Popen[bytes]] = []
         self.address = ""
         """TRAINER_STORE for what it starts: HOST:PORT:PRESENCE_PORT."""
 
-    def __call__(self, rank: int, node: str) -> None:
-        if not self.command:
-            return
-        self.count += 1
-        env = {**os.environ, "TRAINER_LOST_RANK": str(rank), "TRAINER_LOST_NODE": node,
-               "TRAINER_REPLACEMENT": str(self.count), "TRAINER_STORE": self.address}
-        print(f"store: rank {rank} lost on {node or '?'}: {self.command}", flush=True)
-        self.started.append(subprocess.Popen(["bash", "-c", self.command], env=env, start_new_session=True))
+    def lost(self, rank: int, node: str) -> None:
+        if self.on_lost:
+            self.count += 1
+            print(f"store: rank {rank} lost on {node or '?'}: {self.on_lost}", flush=True)
+            self._run(self.on_lost, TRAINER_LOST_RANK=str(rank), TRAINER_LOST_NODE=node,
+                      TRAINER_REPLACEMENT=str(self.count))
+
+    def hung(self, rank: int, node: str, pid: int) -> None:
+        print(f"store: rank {rank} on {node or '?'} (pid {pid}) is stuck; the others asked to go on without it",
+              flush=True)
+        if self.on_hang:
+            self._run(self.on_hang, TRAINER_HUNG_RANK=str(rank), TRAINER_HUNG_NODE=node, TRAINER_HUNG_PID=str(pid))
+        elif node in (socket.gethostname(), os.environ.get("SLURMD_NODENAME")):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        else:
+            print(f"store: no --on-hang command to kill it on {node}", flush=True)
+
+    def _run(self, command: str, **env: str) -> None:
+        self.started.append(subprocess.Popen(["bash", "-c", command], start_new_session=True,
+                                             env={**os.environ, **env, "TRAINER_STORE": self.address}))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End what still runs: at once where it waits (a released spare leaves by itself), else after ``grace_s``."""
@@ -118,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the name the ranks reach this host by (for --on-lost's TRAINER_STORE)")
     parser.add_argument("--on-lost", help="a shell command to run for each rank lost (TRAINER_LOST_RANK, "
                         "TRAINER_LOST_NODE, TRAINER_REPLACEMENT): e.g. start a warm spare on its node")
+    parser.add_argument("--on-hang", help="a shell command to kill a rank the others found stuck (TRAINER_HUNG_RANK, "
+                        "TRAINER_HUNG_NODE, TRAINER_HUNG_PID); default: SIGKILL where it runs on this host")
     args = parser.parse_args(argv)
     import torch.distributed as dist  # after parsing: --help needs no torch
 
@@ -128,16 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
                           timeout=timedelta(seconds=60))
     presence = socket.create_server((args.host, 0))
-    replacements = Replacements(args.on_lost)
-    threading.Thread(target=watch_presence, args=(presence, store, replacements), name="presence",
+    actions = Actions(args.on_lost, args.on_hang)
+    threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung), name="presence",
                      daemon=True).start()
     ports = f"{store.port} {presence.getsockname()[1]}"
-    replacements.address = f"{args.host_name}:{ports.replace(' ', ':')}"
+    actions.address = f"{args.host_name}:{ports.replace(' ', ':')}"
     if args.port_file:
         write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
     signal.sigwait(done)
-    replacements.stop()
+    actions.stop()
     return 0
 
 

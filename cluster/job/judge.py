@@ -94,12 +94,12 @@ def judge(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
         ranks = ", ".join(str(c.rank) for c in causes)
         return Verdict(exits.FINISHED, f"every rank finished its work; rank {ranks} then aborted in teardown (a script "
                        "that destroys its process group without a barrier first)", step=step)
+    if went_on := _went_on(records):  # the lost ranks' nodes are blamed: evidence for suspects, no restart
+        return Verdict(exits.FINISHED, went_on[0], blame=went_on[1], step=step)
     if causes:
         return _first_cause(causes, step)
     if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
-    if went_on := _went_on(records):  # the lost ranks' nodes are blamed: evidence for suspects, no restart
-        return Verdict(exits.FINISHED, went_on, blame=sorted({r.node for r in records if not r.ended}), step=step)
     if marker and marker.deadline:
         return Verdict(exits.PREEMPTED, DEADLINE, step=step, deadline=True)
     if marker or (rc == EXIT_REQUEUE and all(r.code == EXIT_REQUEUE for r in ended)):
@@ -107,16 +107,18 @@ def judge(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
     return _without_cause(records, srun, rc, step)
 
 
-def _went_on(records: list[ExitRecord]) -> str | None:
-    """The survivors of lost ranks went on in place and finished (``went_on_without``): every rank that did not end
-    is one of those, every one that did finished. Its cause line, else None."""
+def _went_on(records: list[ExitRecord]) -> tuple[str, list[str]] | None:
+    """The survivors of lost ranks went on in place and finished (``went_on_without``): every rank not lost finished
+    (a lost rank's own record, a hang its watchdog reported before it was killed, is no cause of the attempt's end).
+    (Its cause line, the lost ranks' nodes), else None."""
     lost = {r for rec in records for r in rec.went_on_without or []}
-    silent = [r for r in records if not r.ended]
-    if not lost or not silent or any(r.ended and r.code != 0 for r in records) or \
-            not {r.rank for r in silent} <= lost:
+    gone = [r for r in records if r.rank in lost]
+    stayed = [r for r in records if r.rank not in lost]
+    if not gone or not stayed or any(not r.ended or r.code != 0 for r in stayed):
         return None
-    where = ", ".join(f"rank {r.rank} on {r.node}" for r in sorted(silent, key=lambda r: r.rank))
-    return f"every rank finished; {where} lost, and the others went on without a restart"
+    where = ", ".join(f"rank {r.rank} on {r.node}" + (f" ({r.cause})" if r.ended and r.cause else "")
+                      for r in sorted(gone, key=lambda r: r.rank))
+    return f"every rank finished; {where} lost, and the others went on without a restart", sorted({r.node for r in gone})
 
 
 def _first_cause(causes: list[ExitRecord], step: int | None) -> Verdict:

@@ -122,7 +122,7 @@ def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
     where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other. Recoveries in
     place count against ``max_failures`` (TRAINER_MAX_FAILURES). ``replace``: the training command (its overrides, not
     sbatch's, which follow): the store starts it as a warm spare on each lost rank's node (``--on-lost``), taken in at
-    a step boundary where the node still runs processes."""
+    a step boundary where the node still runs processes. A rank the others find stuck is killed there (``--on-hang``)."""
     on_lost = ""
     if replace:
         srun = ('TRAINER_SPARE=$(( 1000 + TRAINER_REPLACEMENT )) srun --overlap --kill-on-bad-exit=0 --label --nodes=1 '
@@ -133,11 +133,14 @@ def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
         "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
         *(["# A warm spare is started on the lost rank's node (if it still runs processes) and joins at a step boundary.",
            f"on_lost={shlex.quote(srun)}$( (( $# == 0 )) || printf ' %q' \"$@\")"] if replace else []),
+        "# A rank the others' hang watchdogs find stuck is killed on its node, and they go on without it.",
+        "on_hang=" + shlex.quote('srun --overlap --nodes=1 --ntasks=1 --nodelist="$TRAINER_HUNG_NODE" '
+                                 'kill -KILL "$TRAINER_HUNG_PID"'),
         f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
         'store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"',
         f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" --host-name "$store_host"{on_lost} '
-        '>> "$RUN_DIR/store.log" 2>&1 &',
+        '--on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &',
         "store_pid=$!",
         'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
         'if read -r store_port presence_port 2>/dev/null < "$store_file"; then',

@@ -49,10 +49,12 @@ rc=0
 # it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.
 # A warm spare is started on the lost rank's node (if it still runs processes) and joins at a step boundary.
 on_lost='TRAINER_SPARE=$(( 1000 + TRAINER_REPLACEMENT )) srun --overlap --kill-on-bad-exit=0 --label --nodes=1 --ntasks=1 --nodelist="$TRAINER_LOST_NODE" <python> -m trainer optim.lr=0.1 '"'"'run.name=a'"'"'"'"'"'"'"'"'; touch pwned; echo '"'"'"'"'"'"'"'"'x'"'"' '"'"'run.name="$(touch pwned)"'"'"' '"'"'run.name=a b;c|d`touch pwned`'"'"''$( (( $# == 0 )) || printf ' %q' "$@")
+# A rank the others' hang watchdogs find stuck is killed on its node, and they go on without it.
+on_hang='srun --overlap --nodes=1 --ntasks=1 --nodelist="$TRAINER_HUNG_NODE" kill -KILL "$TRAINER_HUNG_PID"'
 unset TRAINER_STORE; export TRAINER_MAX_FAILURES=3
 store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"
-<python> -m trainer.store --port-file "$store_file" --host-name "$store_host" --on-lost "$on_lost" >> "$RUN_DIR/store.log" 2>&1 &
+<python> -m trainer.store --port-file "$store_file" --host-name "$store_host" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
 store_pid=$!
 for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done
 if read -r store_port presence_port 2>/dev/null < "$store_file"; then

@@ -211,7 +211,7 @@ class Trainer:
             bar.close()
         if sess.preempted:
             return sess.finish()
-        if self.scored_at != sess.step:
+        if any(gather(self.scored_at != sess.step)):  # agreed: a warm spare that joined at the last step has no scores
             self.scores = self.evaluate()
             self.log_scores(self.scores, sess.step)
         code = sess.finish(self.result(self.scores, train_time, self.first_step_at))

@@ -12,6 +12,7 @@ generation.
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import sys
 import time
@@ -74,7 +75,7 @@ class Presence:
         for option, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
             if hasattr(socket, option):
                 self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        self.sock.sendall(f"{rank} node={node}\n".encode() if node else f"{rank}\n".encode())
+        self.sock.sendall(f"{rank} pid={os.getpid()}{f' node={node}' if node else ''}\n".encode())
 
     def close(self) -> None:
         """A rank that ends cleanly says so first: ``done`` is not ``lost``."""
@@ -200,6 +201,7 @@ class Membership:
         # failed group's connections must close. DDP's constructor imports it anyway (about 1 s): now, before any.
         importlib.import_module("torch._dynamo")
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+        self.address = (host, port)
         origin = rank if spare is None else SPARE_BASE + spare
         self.presence = Presence(host, presence_port, origin, timeout.total_seconds(), node_name())
         self.backend, self.timeout, self.size = backend, timeout, world_size
@@ -234,6 +236,13 @@ class Membership:
         """The next generation's place, its group made (see ``next_group``)."""
         self.place = next_group(self.store, self.place, self.place.members, self.backend, self.timeout, self.size)
         return self.place
+
+    def have_killed(self, ranks: list[int]) -> None:
+        """Ask the store process to kill these ranks of the current group, stuck (the hang watchdog's thread: a store
+        client of its own, the main thread's may be mid-request)."""
+        client = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
+        for r in ranks:
+            client.set(f"hung/{int(client.add('hung/count', 1)) - 1}", str(self.place.members[r]))
 
     def can_grow(self) -> bool:
         """Whether warm spares wait while the group is smaller than the job's first generation (a store round trip

@@ -101,7 +101,7 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
     if snapshots:
         snapshots.check_room(objects, explicit=cfg.checkpoint.memory == "on")
     run.create(config_yaml)  # the first write of this attempt
-    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s)
+    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s, kill=s.membership.have_killed if s.membership else None)
     tracker = Tracker(cfg, env, job, run.path)
     tracker.start(config, restored.run_id)
     group = open_group(s, run, model, objects, restored.step, events, snapshots, wrapper)
@@ -136,6 +136,7 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
     except (RuntimeError, OSError) as exc:
         s.say(f"note: a background save did not finish before the regroup: {exc}")
     run, events, tracker = RunDir(p.run.path, env), p.events, p.tracker
+    p.heartbeat.env, p.heartbeat.folder = env, hang_folder(run, s)  # its files go by the rank now
     if env.is_main and not p.run.env.is_main:
         events, tracker = EventLog(run.path), Tracker(s.cfg, env, s.job, run.path)
         tracker.start(config, p.restored.run_id)
@@ -168,7 +169,8 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     from ``step`` on, made as the survivors make theirs again (``regrouped_parts``); nothing is restored."""
     env, cfg = s.env, s.cfg
     run, events = RunDir(run_dir, env), EventLog(run_dir if env.is_main else None)
-    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s)
+    heartbeat = Heartbeat(env, hang_folder(run, s), cfg.dist.heartbeat_s,
+                          kill=s.membership.have_killed if s.membership else None)
     tracker = Tracker(cfg, env, s.job, run.path)
     snapshots = Snapshots.open(cfg, env, s.job, run.path, s.sharded, model, events.emit)
     group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
@@ -176,6 +178,13 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     saves = _saves(s, run, group, heartbeat, events, restored, model)
     return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves,
                  failures_before(s, run.path))
+
+
+def hang_folder(run: RunDir, s: Setup) -> Path:
+    """Where a hang report of this group goes: ``hang/``, and after the k-th regroup ``hang-k/`` (a hang the group
+    went on from keeps its report, and the next one's files are its own)."""
+    generation = s.membership.place.generation if s.membership else 0
+    return run.hang.with_name(f"{run.hang.name}-{generation}") if generation else run.hang
 
 
 def finished(p: Parts, summary: dict[str, Any], step: int, report: bool) -> None:

@@ -64,6 +64,8 @@ class Marks:
         self.objects = objects
         self.loaders = {n: o for n, o in objects.items() if isinstance(o, Loader)}
         self.done = self.current = step
+        self.stop = step
+        """The loop's last step (``Session.steps``'s ``stop``): no group grows back there."""
         self.start: tuple[dict[str, dict[str, int]], dict[str, Any]] | None = None
         self.hooks = [o.register_step_post_hook(lambda *_: self._stepped())
                       for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
@@ -71,9 +73,9 @@ class Marks:
     def _stepped(self) -> None:
         self.done = self.current
 
-    def begin(self, step: int) -> None:
-        """Step ``step`` starts now: the loaders' positions and the random state as it begins."""
-        self.current = step
+    def begin(self, step: int, stop: int) -> None:
+        """Step ``step`` of a loop to ``stop`` starts now: the loaders' positions and the random state as it begins."""
+        self.current, self.stop = step, stop
         self.start = ({n: o.state_dict() for n, o in self.loaders.items()}, rng_state())
 
     def resume_point(self) -> tuple[dict[str, dict[str, int]], dict[str, Any] | None]:

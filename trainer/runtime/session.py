@@ -235,7 +235,7 @@ class Session:
             hooks.current().step_begin(self.steps_here, self.origin)
             self.step = step
             if self.marks:
-                self.marks.begin(step)
+                self.marks.begin(step, stop)
             yield step
             self.steps_here += 1
             if step == start + 1:  # the watchdog starts now: a first step may compile for minutes
@@ -314,7 +314,7 @@ class Session:
         if p.snapshots and not (poll.due or self.preempted) and p.snapshots.due(step):
             p.snapshots.take(*self._state(step), step)
             p.group.audit.synced()
-        p.group.grow_if_due(step, poll.due or self.preempted)  # agreed: every rank raises Grow, or none
+        p.group.grow_if_due(step, poll.due or self.preempted or not self.marks or step >= self.marks.stop)  # all or none
         return poll.due or self.preempted
 
     @property

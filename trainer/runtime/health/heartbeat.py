@@ -8,6 +8,10 @@ got further: the stuck ranks are the ones with the lowest ``seq``. Rank 0 collec
 ``report.txt``, prints it once, and every rank exits with :data:`EXIT_HANG`. On NCCL each rank also dumps the
 flight recorder (its recent collectives) to ``nccl_trace_rank_<r>.pkl``: torch dumps it only on a collective
 timeout, which this exit comes before. A new attempt in the same run folder first moves an old ``hang/`` aside.
+
+Where the job's store runs apart (``kill``: the survivors can regroup), the ranks that wait do not exit: they have the
+stuck ranks killed (the store does it, on their nodes) and go on once their collective fails, as after any lost rank;
+the stuck ranks exit as before. A rank whose watchdog cannot run (stopped, or holding the GIL) is killed all the same.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ class Heartbeat:
     """This rank's heartbeat and the watchdog thread that reports when it stops."""
 
     def __init__(self, env: DistEnv, folder: Path, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.env, self.folder, self.timeout_s, self.clock = env, folder, timeout_s, clock
+                 clock: Callable[[], float] = time.monotonic, kill: Callable[[list[int]], None] | None = None) -> None:
+        """``kill``: has the given ranks (of the current group) killed, where the others can go on without them."""
+        self.env, self.folder, self.timeout_s, self.clock, self.kill = env, folder, timeout_s, clock, kill
         self.seq, self.step, self.phase = 0, 0, "start"
         self.last = clock()
         self.paused = 0
@@ -105,26 +110,26 @@ class Heartbeat:
 
     def _report(self, silent: float) -> None:
         """Write this rank's stacks and last beat; rank 0 writes the report. Then leave: the job is stuck."""
-        rank, world = self.env.rank, self.env.world_size
+        rank, world, folder = self.env.rank, self.env.world_size, self.folder  # as the hang began (a regroup moves them)
         grace = max(5.0, min(30.0, self.timeout_s))  # for the other ranks' files (their clocks run a bit apart)
         with contextlib.suppress(OSError):
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with open(self.folder / f"rank_{rank}.txt", "w") as f:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / f"rank_{rank}.txt", "w") as f:
                 f.write(f"rank {rank} on {exits.node_name()} (pid {os.getpid()}): no progress for {silent:.0f} s; "
                         f"last beat: step {self.step}, {self.phase} (#{self.seq})\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
             last = {"rank": rank, "host": exits.node_name(), "pid": os.getpid(), "seq": self.seq,
                     "step": self.step, "phase": self.phase, "silent_s": round(silent, 1),
-                    "nccl_trace": dump_nccl_trace(self.folder / f"nccl_trace_rank_{rank}.pkl")}
+                    "nccl_trace": dump_nccl_trace(folder / f"nccl_trace_rank_{rank}.pkl")}
             # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
-            write_json(self.folder / f"rank_{rank}.json", last, durable=False)
-        report = self.folder / "report.txt"
+            write_json(folder / f"rank_{rank}.json", last, durable=False)
+        report = folder / "report.txt"
         deadline = time.monotonic() + grace
         if rank == 0:
-            while len(list(self.folder.glob("rank_*.json"))) < world and time.monotonic() < deadline:
+            while len(list(folder.glob("rank_*.json"))) < world and time.monotonic() < deadline:
                 time.sleep(0.2)
-            text = build_report(self.folder, world, self.timeout_s)
+            text = build_report(folder, world, self.timeout_s)
             with contextlib.suppress(OSError):
                 write_atomic(report, text, durable=False)
             print(text, file=sys.stderr, flush=True)
@@ -133,21 +138,38 @@ class Heartbeat:
                 time.sleep(0.2)
             if not report.exists():  # rank 0 could not report (dead, or stuck without releasing the GIL)
                 print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; "
-                      f"stacks in {self.folder}", file=sys.stderr, flush=True)
-        self._record_hang(silent)
+                      f"stacks in {folder}", file=sys.stderr, flush=True)
+        if self._went_on(folder, rank, world, grace):
+            return
+        self._record_hang(folder, rank, world, silent)
         os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
 
-    def _record_hang(self, silent: float) -> None:
+    def _went_on(self, folder: Path, rank: int, world: int, grace: float) -> bool:
+        """Where the others can go on without the stuck ranks (``kill``) and this rank (``rank`` of ``world`` when the
+        hang began) is not one: have them killed, and True once this rank's loop beats again (its collective failed,
+        it regrouped: its place and folder may have changed meanwhile). False: exit as before."""
+        if self.kill is not None and self.silent_for() is None:  # already going on: another rank had them killed
+            return True
+        stuck, whole = stuck_now(folder, world)
+        if self.kill is None or whole or not stuck or rank in stuck:
+            return False
+        self.kill(stuck)
+        deadline = time.monotonic() + 2 * grace
+        while time.monotonic() < deadline:
+            if self.silent_for() is None:  # beating again: the group went on without them
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _record_hang(self, folder: Path, rank: int, world: int, silent: float) -> None:
         """This rank's exit record for the verdict: the stuck ranks' nodes are blamed (none when all wait alike)."""
-        rank, world = self.env.rank, self.env.world_size
-        beats = _beats(self.folder)
-        stuck, whole = stuck_ranks(beats, world)
+        beats = _beats(folder)
+        stuck, whole = stuck_now(folder, world)
         nodes = sorted({b.get("host", "?") for r, b in beats.items() if r in stuck}) if not whole else []
-        missing = [r for r in range(world) if r not in beats]
-        if missing:  # stuck holding the GIL (no beat written): the missing ones are stuck; their start records say where
+        if any(r not in beats for r in stuck):  # stuck holding the GIL (no beat written): their start records say where
             path = exits.record_path(rank=rank)
             where = {r.rank: r.node for r in exit_records(path.parent)} if path else {}
-            stuck, nodes = missing, sorted({str(where.get(r, "?")) for r in missing} - {"?"})
+            nodes = sorted({str(where.get(r, "?")) for r in stuck} - {"?"})
         cause = f"hang: no progress for {silent:.0f} s; " + (
             f"stuck rank(s) {', '.join(map(str, stuck))} on {', '.join(nodes)}" if nodes
             else "every rank waits in the same collective (network or NCCL)")
@@ -162,6 +184,14 @@ def _beats(folder: Path) -> dict[int, dict[str, Any]]:
             info = json.loads(path.read_text())
             beats[int(info["rank"])] = info
     return beats
+
+
+def stuck_now(folder: Path, world: int) -> tuple[list[int], bool]:
+    """The stuck ranks from the beats written so far: those that wrote none (stopped, or stuck holding the GIL),
+    else the ones that got least far; and whether that is every rank."""
+    beats = _beats(folder)
+    missing = [r for r in range(world) if r not in beats]
+    return (missing, False) if missing else stuck_ranks(beats, world)
 
 
 def stuck_ranks(beats: dict[int, dict[str, Any]], world: int) -> tuple[list[int], bool]:
