@@ -49,6 +49,13 @@ def test_the_first_to_arrive_waits_for_every_rank_not_lost_then_all_take_their_p
     assert [(p.rank, p.world_size, p.members) for p in places] == [(1, 2, (0, 2)), (0, 2, (0, 2))]
     with pytest.raises(RuntimeError, match="rank 1 was left out of generation 1"):
         join(store, 1, 1, range(3), timeout=60)
+    # generation 1 began with a loss (max_failures counts it); generation 2 takes in a spare and grows back: no loss
+    store.set("spares/count", "1")
+    store.set("spares/0", "1000000")
+    with ThreadPoolExecutor(2) as pool:
+        grown = list(pool.map(lambda r: join(store, 2, r, (0, 2), timeout=60, size=3), (0, 2)))
+    assert grown[0].members == (0, 2, 1_000_000) and store.get("spare/1000000/generation") == b"2"
+    assert (store.get("generation/1/lost"), store.get("generation/2/lost")) == (b"1", b"0")
 
 
 def test_a_rank_neither_lost_nor_joined_is_left_out_at_the_deadline() -> None:

@@ -108,6 +108,7 @@ def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout
         for r in members:
             if r in spares:
                 store.set(f"spare/{r}/generation", str(generation))  # a spare waits on this key (take_place)
+        store.set(f"{prefix}/lost", "1" if lost else "0")  # a loss (max_failures counts it), or growing back
         store.set(f"{prefix}/members", ",".join(map(str, members)))
     return place_in(store, generation, origin, timeout)
 
@@ -217,6 +218,10 @@ class Membership:
     def lost(self, wait_s: float = 2.0) -> list[int]:
         """The current members the store marked lost (see ``lost_members``)."""
         return lost_members(self.store, self.place.members, wait_s)
+
+    def losses(self) -> int:
+        """The generations so far that began with a loss (growing back is none): the same on every member."""
+        return sum(int(self.store.get(f"generation/{g}/lost").decode()) for g in range(1, self.place.generation + 1))
 
     def lost_at(self, ranks: Iterable[int]) -> float | None:
         """When the store saw the first of ``ranks`` lost (its host's clock, seconds since the epoch), if it says."""

@@ -170,13 +170,14 @@ def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.M
     return env, step, exact, {"abort_s": round(left - began, 3), "rendezvous_s": round(joined - left, 3)}
 
 
-def within_budget(lost: list[int], place: Place, s: Setup, failures: int) -> None:
+def within_budget(lost: list[int], membership: Membership, s: Setup, failures: int) -> None:
     """RegroupFailed when one more recovery would pass ``max_failures`` (TRAINER_MAX_FAILURES): ``failures`` the job
-    had before this attempt, and one per generation of it. Every survivor decides alike, with no collective."""
+    had before this attempt, and its generations that began with a loss. Every survivor decides alike (the store's
+    record of the generations), with no collective."""
     limit = s.job.max_failures
-    if limit is not None and failures + place.generation + 1 > limit:
-        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost, and the job has had {failures + place.generation}"
-                            f" infrastructure failure(s) already (max_failures={limit}): the attempt ends")
+    if limit is not None and (had := failures + membership.losses()) + 1 > limit:
+        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost, and the job has had {had} infrastructure "
+                            f"failure(s) already (max_failures={limit}): the attempt ends")
 
 
 def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setup, parts: Parts,
@@ -188,7 +189,7 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
     the restart path takes over."""
     noticed, began, was = time.time(), time.monotonic(), s.env.world_size
     if lost:
-        within_budget(lost, membership.place, s, parts.failures)
+        within_budget(lost, membership, s, parts.failures)
     else:  # growing: the group is whole, and a background save may still use it
         parts.saves.checkpointer.wait()
     lost_at = membership.lost_at(lost)
