@@ -32,6 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer.core.exits import node_name
+
 
 def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, str], None] = lambda r, n: None,
                    on_hung: Callable[[int, str, int], None] = lambda r, n, p: None) -> None:
@@ -103,7 +105,7 @@ class Actions:
               flush=True)
         if self.on_hang:
             self._run(self.on_hang, TRAINER_HUNG_RANK=str(rank), TRAINER_HUNG_NODE=node, TRAINER_HUNG_PID=str(pid))
-        elif node in (socket.gethostname(), os.environ.get("SLURMD_NODENAME")):
+        elif node == node_name():  # what the ranks say they run on, read the same way here
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         else:

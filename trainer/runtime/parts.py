@@ -101,7 +101,7 @@ def open_parts(s: Setup, model: nn.Module | None, objects: dict[str, Any], confi
     if snapshots:
         snapshots.check_room(objects, explicit=cfg.checkpoint.memory == "on")
     run.create(config_yaml)  # the first write of this attempt
-    heartbeat = Heartbeat(env, run.hang, cfg.dist.heartbeat_s, kill=s.membership.have_killed if s.membership else None)
+    heartbeat = _heartbeat(s, run)
     tracker = Tracker(cfg, env, job, run.path)
     tracker.start(config, restored.run_id)
     group = open_group(s, run, model, objects, restored.step, events, snapshots, wrapper)
@@ -169,8 +169,7 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     from ``step`` on, made as the survivors make theirs again (``regrouped_parts``); nothing is restored."""
     env, cfg = s.env, s.cfg
     run, events = RunDir(run_dir, env), EventLog(run_dir if env.is_main else None)
-    heartbeat = Heartbeat(env, hang_folder(run, s), cfg.dist.heartbeat_s,
-                          kill=s.membership.have_killed if s.membership else None)
+    heartbeat = _heartbeat(s, run)
     tracker = Tracker(cfg, env, s.job, run.path)
     snapshots = Snapshots.open(cfg, env, s.job, run.path, s.sharded, model, events.emit)
     group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
@@ -178,6 +177,12 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     saves = _saves(s, run, group, heartbeat, events, restored, model)
     return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves,
                  failures_before(s, run.path))
+
+
+def _heartbeat(s: Setup, run: RunDir) -> Heartbeat:
+    """This rank's hang watchdog; where the group can go on without a stuck rank, it has the store kill it."""
+    return Heartbeat(s.env, hang_folder(run, s), s.cfg.dist.heartbeat_s,
+                     kill=s.membership.have_killed if s.membership else None)
 
 
 def hang_folder(run: RunDir, s: Setup) -> Path:

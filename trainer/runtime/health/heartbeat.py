@@ -150,7 +150,7 @@ class Heartbeat:
         it regrouped: its place and folder may have changed meanwhile). False: exit as before."""
         if self.kill is not None and self.silent_for() is None:  # already going on: another rank had them killed
             return True
-        stuck, whole = stuck_now(folder, world)
+        stuck, whole = stuck_now(_beats(folder), world)
         if self.kill is None or whole or not stuck or rank in stuck:
             return False
         self.kill(stuck)
@@ -164,7 +164,7 @@ class Heartbeat:
     def _record_hang(self, folder: Path, rank: int, world: int, silent: float) -> None:
         """This rank's exit record for the verdict: the stuck ranks' nodes are blamed (none when all wait alike)."""
         beats = _beats(folder)
-        stuck, whole = stuck_now(folder, world)
+        stuck, whole = stuck_now(beats, world)
         nodes = sorted({b.get("host", "?") for r, b in beats.items() if r in stuck}) if not whole else []
         if any(r not in beats for r in stuck):  # stuck holding the GIL (no beat written): their start records say where
             path = exits.record_path(rank=rank)
@@ -186,10 +186,9 @@ def _beats(folder: Path) -> dict[int, dict[str, Any]]:
     return beats
 
 
-def stuck_now(folder: Path, world: int) -> tuple[list[int], bool]:
+def stuck_now(beats: dict[int, dict[str, Any]], world: int) -> tuple[list[int], bool]:
     """The stuck ranks from the beats written so far: those that wrote none (stopped, or stuck holding the GIL),
     else the ones that got least far; and whether that is every rank."""
-    beats = _beats(folder)
     missing = [r for r in range(world) if r not in beats]
     return (missing, False) if missing else stuck_ranks(beats, world)
 
