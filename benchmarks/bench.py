@@ -266,7 +266,7 @@ def main() -> int:
     kept = hand_written(page)
     page.write_text(render(results))
     for lines in [kept, recovery.section(stored(a.out, "recovery")), projection.section(a.out),
-                  life.section(stored(a.out, "life")), versions.section(stored(a.out, "versions")),
+                  life.section(stored(a.out, "life"), stored(a.out, "life-regroup")), versions.section(stored(a.out, "versions")),
                   audit.section(stored(a.out, "audit")), streams.section(stored(a.out, "streams"))]:
         if lines:
             splice(page, lines)

@@ -7,8 +7,12 @@ the first step of the next attempt, and that recovery's phases (trainer/runtime/
 - requeue: a plain 2-node job (no snapshots: the next allocation restores from the durable checkpoint);
 - spare: ``spare_nodes=1``, the next attempt starts at once on the spare, restoring from node memory;
 - shrink: ``NODES=2-3`` started on 3 nodes goes on with 2, restoring from node memory;
-- paired with the spare path: torchrun's own restart of its workers (``--max-restarts=1``, one machine, the same
-  trainer restoring from memory) after the same kill: new processes, a rendezvous, a restore, and nothing else.
+- in place: ``regroup=true`` on 3 nodes: the two survivors go on in their own processes (no process started);
+- warm spare: ``regroup=true`` with ``spare_nodes=1``: a process waiting on the spare node takes the lost one's place;
+- torchrun: its own restart of its workers (``--max-restarts=1``, one machine, the same trainer restoring from
+  memory) after the same kill: new processes, a rendezvous, a restore, and nothing else.
+
+Each round runs every path once, in an order that turns from round to round; the ratios pair the paths of a round.
 
 ``python -m benchmarks.recovery`` writes docs/benchmarks-recovery.json and section 8 of docs/benchmarks.md.
 """
@@ -27,13 +31,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, pairs, processes, show, spread, standalone
-from trainer.runtime.records.attempts import PHASES, attempts, recoveries
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, processes, show, spread, standalone
+from trainer.runtime.records.attempts import IN_PLACE, PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",
         "train.log_every=8", "tracking.mode=disabled", "checkpoint.every_steps=10", "checkpoint.memory_every_steps=2",
         "checkpoint.poll_steps=1"]
 FAULTS = "step_delay_s=0.3"
+PATHS = {"spare": ["--set", "spare_nodes=1"], "shrink": ["--nodes", "2-3"], "requeue": [],
+         "in place": ["--nodes", "3", "--set", "regroup=true"],
+         "warm spare": ["--set", "spare_nodes=1", "--set", "regroup=true"]}
+"""The dev cluster's paths: the command line of each job's ``cluster submit``."""
+RESTARTS = ("spare", "shrink", "requeue", "torchrun")
+IN_PLACE_PATHS = ("in place", "warm spare")
 
 
 def events_of(run: Path) -> list[dict[str, Any]]:
@@ -55,10 +65,10 @@ def ready(run: Path, memory: bool) -> bool:
 
 
 def kill(match: Callable[[dict[str, str]], bool]) -> float:
-    """SIGKILL the one trainer process whose environment matches; the time of the kill."""
+    """SIGKILL the one trainer process whose environment matches (never a waiting warm spare); the time of the kill."""
     for pid, env, argv in processes():
         module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None  # torchrun's workers run python -u -m
-        if "python" in Path(argv[0]).name and module == "trainer" and match(env):
+        if "python" in Path(argv[0]).name and module == "trainer" and "TRAINER_SPARE" not in env and match(env):
             os.kill(pid, signal.SIGKILL)
             return time.time()
     raise RuntimeError("no trainer process to kill")
@@ -74,7 +84,7 @@ def measured(run: Path, killed_at: float) -> dict[str, Any]:
 def slurm_run(path: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     """One job on the dev cluster along ``path``; its kill → first step and phases."""
     run = Path(tempfile.mkdtemp(dir=tmp)) / "run"
-    sets = {"requeue": [], "spare": ["--set", "spare_nodes=1"], "shrink": ["--nodes", "2-3"]}[path]
+    sets = PATHS[path]
     memory = path != "requeue"
     args = [*ARGS, f"run.dir={run}", f"checkpoint.memory={'on' if memory else 'off'}"]
     # Every node idle first: a node still completing the last job would start NODES=2-3 on 2 nodes (no shrink).
@@ -90,8 +100,9 @@ def slurm_run(path: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     killed_at = kill(lambda e: e.get("SLURM_JOB_ID") == job and e.get("SLURM_PROCID") == "1")
     wait_until(lambda: (run / "result.json").exists(), 300, f"job {job} to finish")
     got = measured(run, killed_at)
-    if path == "shrink" and got["recovery"] and got["recovery"]["decision"] != "restart_here":
-        raise RuntimeError(f"job {job} did not shrink in place: {got['recovery']['decision']}")
+    want = {"shrink": "restart_here", "in place": "in place", "warm spare": "in place"}.get(path)
+    if want and (got["recovery"] or {}).get("decision") != want:
+        raise RuntimeError(f"job {job} took another path than {path}: {got['recovery']}")
     return {"path": path, "job": job, "expedited": "ExpeditedRequeue=Yes" in shown, **got}
 
 
@@ -121,17 +132,45 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def measure(repeats: int, tmp: Path) -> dict[str, Any]:
-    """Every path ``repeats`` times; the spare path and torchrun as interleaved pairs."""
+    """``repeats`` rounds of every path, the order turning by one each round; ratios within each round."""
     env = dev_cluster_env()
     if env is None:
         return {"skipped": "the dev cluster is down (make dev-cluster)"}
-    done = pairs(repeats, lambda: slurm_run("spare", tmp, env), lambda: torchrun_run(tmp))
-    runs = [r for p in done for r in p]
-    for path in ("shrink", "requeue"):
-        runs += [slurm_run(path, tmp, env) for _ in range(repeats)]
-    ratio = spread([s["kill_to_first_step_s"] / t["kill_to_first_step_s"] for s, t in done])
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats, "runs": runs,
-            "spare_vs_torchrun": ratio, "command": f"python -m benchmarks.recovery --repeats {repeats}"}
+    order = ["spare", "torchrun", "in place", "shrink", "warm spare", "requeue"]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i in range(repeats):
+        turned = order[i % len(order):] + order[:i % len(order)]
+        rounds.append({p: torchrun_run(tmp) if p == "torchrun" else slurm_run(p, tmp, env) for p in turned})
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        return spread([r[a]["kill_to_first_step_s"] / r[b]["kill_to_first_step_s"] for r in rounds])
+
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats,
+            "runs": [{**run, "round": i} for i, r in enumerate(rounds) for run in r.values()],
+            "spare_vs_torchrun": ratio("spare", "torchrun"), "torchrun_vs_in_place": ratio("torchrun", "in place"),
+            "torchrun_vs_warm_spare": ratio("torchrun", "warm spare"),
+            "command": f"python -m benchmarks.recovery --repeats {repeats}"}
+
+
+def _rows(r: dict[str, Any], paths: tuple[str, ...], phases: tuple[str, ...]) -> list[str]:
+    """One table row per path: kill → first step, the median of each phase, where from, steps recomputed."""
+    out = []
+    for path in paths:
+        rows = [x for x in r["runs"] if x["path"] == path]
+        if not rows:
+            continue
+        rec = [x["recovery"] for x in rows if x["recovery"]]
+        cells = " | ".join(f"{statistics.median(x[k] for x in rec):.2f}" if rec else "-" for k in phases)
+        where = (rec[0]["restored_from"] or "the survivors' memory") if rec else "-"
+        steps = statistics.median(x["recomputed_steps"] for x in rec) if rec else "-"
+        out.append(f"| {path} | {where} | {show(spread([x['kill_to_first_step_s'] for x in rows]), '{:.2f}')} | "
+                   f"{cells} | {steps} |")
+    return out
+
+
+def _ratio(r: dict[str, Any], key: str, what: str) -> str:
+    ratio = r.get(key)
+    return f"- {what}: **{show(ratio)}** (rounds: {each(ratio)})" if ratio else ""
 
 
 def section(r: dict[str, Any] | None) -> list[str]:
@@ -140,27 +179,29 @@ def section(r: dict[str, Any] | None) -> list[str]:
     if r is None or "skipped" in r:
         return out + [f"Not measured: {r['skipped'] if r else 'run python -m benchmarks.recovery'}.", ""]
     m = r["machine"]
-    out += [f"Measured by `{r['command']}` on {r['date']} ({m['cpu']}, {m['cores']} cores): the dev cluster's 2-node "
-            "jobs (every node a slurmd on this one machine), one rank SIGKILLed from outside after a memory snapshot "
-            "newer than the last durable save; seconds from the kill to the next attempt's first step, median (min–max) "
-            "over the runs, and the median of each phase (trainer/runtime/records/attempts.py).", "",
-            "| path | restored from | kill → first step (s) | " + " | ".join(PHASES) + " | steps recomputed |",
-            "|---|---|---|" + "---|" * len(PHASES) + "---|"]
-    for path in ("spare", "shrink", "requeue", "torchrun"):
-        rows = [x for x in r["runs"] if x["path"] == path]
-        if not rows:
-            continue
-        rec = [x["recovery"] for x in rows if x["recovery"]]
-        phases = " | ".join(f"{statistics.median(x[k] for x in rec):.2f}" if rec else "-" for k in PHASES)
-        where = rec[0]["restored_from"] if rec else "-"
-        steps = statistics.median(x["recomputed_steps"] for x in rec) if rec else "-"
-        out.append(f"| {path} | {where} | {show(spread([x['kill_to_first_step_s'] for x in rows]), '{:.1f}')} | "
-                   f"{phases} | {steps} |")
-    ratio = r["spare_vs_torchrun"]
-    out += ["", f"Spare node against torchrun's own restart of its workers (`--max-restarts=1`, one machine, the same "
-            f"trainer restoring from memory) after the same kill, interleaved pairs: **{show(ratio)}** (pairs: "
-            f"{each(ratio)}). torchrun's restart is the floor any restart pays (new processes, a rendezvous, a "
-            "restore); the spare path adds srun's own teardown of the step, the verdict, and a new job step.", ""]
+    head = "| path | restored from | kill → first step (s) | "
+    out += [f"Measured by `{r['command']}` on {r['date']} ({m['cpu']}, {m['cores']} cores): the dev cluster's jobs "
+            "(every node a slurmd on this one machine), one rank SIGKILLed from outside after a memory snapshot "
+            "newer than the last durable save; seconds from the kill to the first step after it, median (min–max) "
+            "over the runs, and the median of each phase (trainer/runtime/records/attempts.py). Each round runs "
+            "every path once, the order turning by one from round to round.", "",
+            "Recovery in place (`regroup: true`; no process started, no file read). *in place*: 3 nodes, the two "
+            "survivors go on; *warm spare*: 2 nodes and a spare node whose waiting process takes the lost one's "
+            "place (the world size kept). Goals: ≤ 1.0 s in place, ≤ 1.5 s with a warm spare, at least 4× faster "
+            "than torchrun's restart, at most 1 step recomputed.", "",
+            head + " | ".join(IN_PLACE) + " | steps recomputed |", "|---|---|---|" + "---|" * len(IN_PLACE) + "---|",
+            *_rows(r, IN_PLACE_PATHS, IN_PLACE), "",
+            "Restarts (every process started again): *spare* (`spare_nodes=1`), *shrink* (`NODES=2-3` started on 3), "
+            "*requeue* (a plain 2-node job, no snapshots), *torchrun* (`--max-restarts=1`, one machine).", "",
+            head + " | ".join(PHASES) + " | steps recomputed |", "|---|---|---|" + "---|" * len(PHASES) + "---|",
+            *_rows(r, RESTARTS, PHASES), ""]
+    lines = [_ratio(r, "torchrun_vs_in_place", "torchrun's restart ÷ in place"),
+             _ratio(r, "torchrun_vs_warm_spare", "torchrun's restart ÷ warm spare"),
+             _ratio(r, "spare_vs_torchrun", "spare node's restart ÷ torchrun's restart")]
+    out += [x for x in lines if x] + [
+        "", "torchrun's restart is the floor any restart pays (new processes, a rendezvous, a restore); a spare "
+        "node's restart adds srun's own teardown of the step, the verdict, and a new job step. In place, the "
+        "survivors keep their processes, their model and optimizer in memory, and their loaders' position.", ""]
     return out
 
 

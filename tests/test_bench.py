@@ -116,3 +116,55 @@ def test_the_regroup_section_shows_each_paths_times_in_milliseconds() -> None:
                                       "session": session, "command": "python -m benchmarks.regroup --repeats 2"}))
     assert "| in place | 2 | 0.12 (0.12–0.12) | 20 (20–20) | 1 of 1 |" in text
     assert "| restart | 3 | 5.00 (4.50–5.50) | – | 1 of 2 |" in text and "| warm spare |" not in text
+
+
+def _rec(decision: str, total: float, **phases: float) -> dict[str, object]:
+    return {"decision": decision, "total_s": total, "restored_from": None if decision == "in place" else "memory",
+            "recomputed_steps": 1, **phases}
+
+
+def test_the_recovery_section_puts_in_place_paths_beside_the_restarts_and_the_projection_uses_them(
+        tmp_path: Path) -> None:
+    from benchmarks import projection, recovery
+
+    inplace = {"detection": 0.02, "abort": 0.01, "rendezvous": 0.005, "transfer": 0.015, "first_step": 0.05}
+    restart = {"detection": 0.0, "teardown": 0.3, "verdict": 0.2, "queue": 0.0, "startup": 6.0, "restore": 0.0,
+               "first_step": 0.3}
+    runs = [{"path": "in place", "kill_to_first_step_s": 0.1, "recovery": _rec("in place", 0.1, **inplace)},
+            {"path": "warm spare", "kill_to_first_step_s": 0.2, "recovery": _rec("in place", 0.2, **inplace)},
+            {"path": "spare", "kill_to_first_step_s": 6.8, "recovery": _rec("restart_here", 6.8, **restart)},
+            {"path": "torchrun", "kill_to_first_step_s": 7.0, "recovery": _rec("restart_here", 7.0, **restart)}]
+    r = {"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-28", "runs": runs,
+         "command": "python -m benchmarks.recovery --repeats 1",
+         "torchrun_vs_in_place": {"median": 70.0, "min": 70.0, "max": 70.0, "values": [70.0]}}
+    text = "\n".join(recovery.section(r))
+    assert "| in place | the survivors' memory | 0.10 (0.10–0.10) | 0.02 | 0.01 | 0.01 | 0.01 | 0.05 | 1 |" in text
+    assert "| spare | memory | 6.80 (6.80–6.80) | 0.00 | 0.30 | 0.20 | 0.00 | 6.00 | 0.00 | 0.30 | 1 |" in text
+    assert "torchrun's restart ÷ in place: **70.00× (70.00×–70.00×)**" in text and "| shrink |" not in text
+    (tmp_path / "benchmarks-recovery.json").write_text(json.dumps(r))
+    measured = projection.measured_phases(tmp_path)
+    assert measured == pytest.approx({"teardown_verdict_s": 0.5, "regroup_s": 0.03})
+    for gpus in (1024, 16384):
+        rows = projection.project(gpus, measured)
+        assert [x["ettr"] for x in rows] == sorted((x["ettr"] for x in rows), reverse=True), rows  # in place first
+        a = {k: v.value for k, v in projection.AT_SCALE.items()}
+        assert rows[0]["downtime_s"] == pytest.approx(a["detection_s"] + 0.03 + a["nccl_init_s"] + a["step_s"]
+                                                      + a["state_gb_per_gpu"] * a["gpus_per_node"] / a["node_net_gb_s"])
+    assert projection.measured_phases(tmp_path / "none") == {"teardown_verdict_s": 5.0, "regroup_s": 1.0}
+
+
+def test_the_life_section_shows_the_restarting_and_the_regrouping_job() -> None:
+    from benchmarks import life
+
+    def got(regroup: bool, ratio: float) -> dict[str, object]:
+        rec = [_rec("in place" if regroup else "restart_here", 0.2 if regroup else 7.0)]
+        return {"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-28", "faults": [{"kind": "kill"}],
+                "same_result": True, "outcome": "finished", "goodput": {"faulted": 0.9 * ratio, "clean": 0.9},
+                "goodput_ratio": ratio, "decisions": [("finished", "done")], "recoveries": rec, "regroup": regroup,
+                "command": "python -m benchmarks.life --seed 1" + (" --regroup" if regroup else "")}
+
+    text = "\n".join(life.section(got(False, 0.734), got(True, 0.95)))
+    assert text.count("- Outcome: finished") == 2 and "**73.4 %** of the fault-free run's" in text
+    assert "**95.0 %** of the fault-free run's" in text and "1 of them in place; median 0.20 s" in text
+    assert "`python -m benchmarks.life --seed 1 --regroup`" in text
+    assert "Regrouping in place" not in "\n".join(life.section(got(False, 0.8)))
