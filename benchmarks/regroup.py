@@ -196,10 +196,9 @@ def session_section(runs: list[dict[str, Any]]) -> list[str]:
                     f"{show(spread(ratios), '{:.0f}')}×."]
     out += ["", "The restart here is the cheapest one there is (no Slurm, no queue, the processes on the same machine, "
             "the checkpoint on a local disk): its time is detection, new interpreters importing torch and the loop, "
-            "a new group and the restore. On the dev cluster (tests/test_healing.py, Slurm 22.05, 24.11 and 26.05, "
-            "`regroup: true`) the first step after a SIGKILL came 0.09–0.12 s after it on the survivors and "
-            "0.13–0.15 s with a warm spare on the spare node, against 6.8 s for section 8's restart on a spare "
-            "node.", ""]
+            "a new group and the restore. On the dev cluster, the built-in trainer's jobs with `regroup: true` side by "
+            "side with the restarts, torchrun's included: section 8 (and tests/test_healing.py on Slurm 22.05, 24.11 "
+            "and 26.05).", ""]
     return out
 
 
