@@ -291,7 +291,7 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
     print(f"kill → first step after the regroup: {first_step - killed_at:.2f} s (in place, no process started)")
     report = sh([sys.executable, "-m", "trainer.report", str(run)], env).stdout
-    assert "recovered in place after attempt 1 (rank(s) 2 lost, 2 of 3 processes went on" in report, report
+    assert "recovered in place after attempt 1 (rank 2 lost, 2 of 3 processes went on" in report, report
 
 
 @pytest.mark.slurm_compat  # srun --overlap on a node of the running step, started by the store, on each version

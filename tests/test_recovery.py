@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests import warm
 from trainer.core.env import StoreAddress
 from trainer.core.errors import UserError
-from trainer.core.regroup import SPARE_BASE, lost_members
+from trainer.core.exits import SPARE_BASE
+from trainer.core.regroup import lost_members
 from trainer.data.batches import plan
 from trainer.data.loader import Loader
 from trainer.store import start as start_store
@@ -104,7 +105,7 @@ def test_survivors_go_on_in_place_and_end_as_a_restart_from_that_step_would(tmp_
     k = regroup["step"]
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
            ([lost], [r for r in range(3) if r != lost], 2, True)
-    assert f"regrouped: rank(s) {lost} lost; 2 of 3 processes go on from step {k}" in outs[0]
+    assert f"regrouped: rank {lost} lost; 2 of 3 processes go on from step {k}" in outs[0]
     # the next attempt inside the allocation (every tool that reads attempts sees it), broken down by phase
     first, again = _events(run, "attempt")
     assert (first["attempt"], again["attempt"], again["within"], again["regroup"], again["processes"],
@@ -156,7 +157,7 @@ def test_a_stopped_rank_is_killed_by_the_store_and_the_others_go_on_in_place(tmp
     [regroup] = _events(run, "regroup")  # the survivors finished: only the store can have killed rank 2 meanwhile
     assert (regroup["lost"], regroup["world_size"]) == ([2], 2), regroup
     assert "rank   2 ?      wrote nothing" in (run / "hang" / "report.txt").read_text()
-    assert f"regrouped: rank(s) 2 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
+    assert f"regrouped: rank 2 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
     steps = _trace(run)
     assert sorted(steps) == list(range(1, 31)) and json.loads((run / "result.json").read_text())["global_step"] == 30
 
@@ -282,7 +283,7 @@ def test_the_builtin_trainer_goes_on_in_place_when_a_rank_is_killed(tmp_path: Pa
     result = json.loads((run / "result.json").read_text())
     assert result["global_step"] == 21 and result["world_size"] == 2 and "test_accuracy" in result  # 1024 // 48
     assert "global batch 48 = 3 process(es) × 16 samples × 1 accumulation step(s): the first attempt's, kept" in outs[0]
-    assert f"regrouped: rank(s) 1 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
+    assert f"regrouped: rank 1 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
 
 
 def test_the_char_lm_example_goes_on_in_place(tmp_path: Path) -> None:
@@ -295,7 +296,7 @@ def test_the_char_lm_example_goes_on_in_place(tmp_path: Path) -> None:
         env["TRAINER_FAULTS"] = "step_delay_s=0.1"
         procs = spawn_ranks(args, tmp_path, 3, env, script=ROOT / "examples" / "char_lm" / "train.py")
         outs = _kill_when(procs, 1, _stepped(run, 0))
-    assert "regrouped: rank(s) 1 lost; 2 of 3 processes go on" in outs[0] and "sample:" in outs[0], outs[0]
+    assert "regrouped: rank 1 lost; 2 of 3 processes go on" in outs[0] and "sample:" in outs[0], outs[0]
     assert json.loads((run / "result.json").read_text())["global_step"] == 30
 
 
@@ -319,7 +320,7 @@ def test_a_warm_spare_takes_the_lost_ranks_place_and_the_run_ends_as_a_restart_w
     k = regroup["step"]
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
            ([1], [0, 2, SPARE_BASE], 3, False)  # the spare goes by a number no rank has
-    assert f"regrouped: rank(s) 1 lost; a warm spare took the place: 3 processes go on from step {k}" in outs[0]
+    assert f"regrouped: rank 1 lost; a warm spare took the place: 3 processes go on from step {k}" in outs[0]
     _ranks([f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)  # the restart path: saved at k on three …
     _ranks([f"run.dir={ref}"], tmp_path, 3)  # … and resumed from that checkpoint on three
     steps = _trace(run)

@@ -315,7 +315,7 @@ def test_a_storm_of_attempts_without_progress_stops_the_job(progressed: bool | N
     (MemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "resource", False),
     (ValueError("shape mismatch"), "user_error", False),
     # the survivors could not go on in place: an echo of the lost rank (whose node srun's line names), no cause
-    (RegroupFailed("rank(s) 2 lost and the others could not go on in place (UserError: …)"), "infrastructure", True),
+    (RegroupFailed("rank 2 lost and the others could not go on in place (UserError: …)"), "infrastructure", True),
 ])
 def test_classify(exc: Exception, kind: str, echo: bool) -> None:
     info = exits.classify(exc)
@@ -382,3 +382,12 @@ def test_the_shells_fallback_is_the_verdicts_requeue_rule(tmp_path: Path, rc: in
                            env={"RUN_DIR": str(tmp_path), "SLURM_RESTART_COUNT": str(restarts), "PATH": "/usr/bin:/bin"},
                            capture_output=True, text=True)
     assert shell.stdout.strip() == ("yes" if want else "no"), (shell.stdout, shell.stderr)
+
+
+@pytest.mark.parametrize(("processes", "said"), [
+    ([2], "rank 2"), ([2, 0], "ranks 0, 2"), ([exits.SPARE_BASE], "spare 0"),
+    ([1, exits.SPARE_BASE + 1001], "rank 1 and spare 1001"), ([exits.SPARE_BASE + 3, exits.SPARE_BASE], "spares 0, 3"),
+    ([], "no process"),
+])
+def test_processes_are_named_as_ranks_or_warm_spares_by_their_number(processes: list[int], said: str) -> None:
+    assert exits.names(processes) == said

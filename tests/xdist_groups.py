@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,57 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return self.groups.get(nodeid, nodeid)
 
     return GroupScheduling(config, log)
+
+
+class _Workers:
+    """The controller's account of each worker: the seconds of its tests by group, and when it reported last. The
+    line it prints names the worker that ends last and why, to balance the groups (CLUSTER_SECONDS in conftest.py)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.last: dict[str, float] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+        if worker is None:  # not under xdist, or not from a worker
+            return
+        group = _group_of(report.nodeid)
+        by_group = self.seconds.setdefault(worker, {})
+        by_group[group] = by_group.get(group, 0.0) + report.duration
+        self.last[worker] = time.monotonic() - self.start
+
+    def lines(self) -> list[str]:
+        out = []
+        for worker in sorted(self.last, key=lambda w: -self.last[w]):
+            groups = sorted(self.seconds[worker].items(), key=lambda kv: -kv[1])
+            shown = ", ".join(f"{g} {s:.0f} s" for g, s in groups[:3])
+            out.append(f"{worker}: last result at {self.last[worker]:.0f} s, {sum(s for _, s in groups):.0f} s in "
+                       f"tests ({shown})")
+        return out
+
+
+_GROUPS: dict[str, str] = {}
+
+
+def _group_of(nodeid: str) -> str:
+    if not _GROUPS and os.environ.get(ENV):
+        for path in Path(os.environ[ENV]).glob("*.json"):
+            _GROUPS.update(json.loads(path.read_text()))
+    group = _GROUPS.get(nodeid)
+    return group if group and group.startswith("dev-cluster") else "other"
+
+
+_WORKERS = _Workers()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _WORKERS.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines = _WORKERS.lines()
+    if lines:
+        terminalreporter.write_sep("=", "xdist workers, the last to finish first")
+        for line in lines:
+            terminalreporter.write_line(line)

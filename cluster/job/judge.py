@@ -116,7 +116,7 @@ def _went_on(records: list[ExitRecord]) -> tuple[str, list[str]] | None:
     stayed = [r for r in records if r.rank not in lost]
     if not gone or not stayed or any(not r.ended or r.code != 0 for r in stayed):
         return None
-    where = ", ".join(f"rank {r.rank} on {r.node}" + (f" ({r.cause})" if r.ended and r.cause else "")
+    where = ", ".join(f"{exits.names([r.rank])} on {r.node}" + (f" ({r.cause})" if r.ended and r.cause else "")
                       for r in sorted(gone, key=lambda r: r.rank))
     return f"every rank finished; {where} lost, and the others went on without a restart", sorted({r.node for r in gone})
 
@@ -146,13 +146,13 @@ def _without_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], 
     killed = [s for s in srun if s[1] == "launch" or any(k in s[2] for k in KILLED)]
     if killed:
         node, tasks, how = killed[0]
-        ranks = ", ".join(str(r.rank) for r in silent if r.node == node)
-        who = f"rank {ranks}" if ranks else f"task {tasks}"
+        ranks = [r.rank for r in silent if r.node == node]
+        who = exits.names(ranks) if ranks else f"task {tasks}"
         cause = f"{node}: {how}" if tasks == "launch" else f"{who} on {node} was killed (srun: task {tasks}: {how})"
         return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step, hard=tasks == "launch")
     if silent:  # no kill in srun's lines (torchrun's agent reports one as exit 1): blame only a single node
         where = sorted({r.node for r in silent})
-        return Verdict(exits.INFRASTRUCTURE, f"rank {silent[0].rank} on {silent[0].node} ended without a "
+        return Verdict(exits.INFRASTRUCTURE, f"{exits.names([silent[0].rank])} on {silent[0].node} ended without a "
                        "record (killed by a signal)", blame=where if len(where) == 1 else [], step=step)
     if any(r.echo for r in records):
         return Verdict(exits.INFRASTRUCTURE, "a peer was lost mid-collective (no rank recorded why)", step=step)

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,20 @@ _written: dict[str, bool] = {}
 _without: set[int] = set()
 _started: dict[str, int] = {}
 """The rank each phase's start record was written under, where it was given (the end record goes beside it)."""
+
+
+SPARE_BASE = 1_000_000
+"""Warm spares go by ``SPARE_BASE + their number`` (records, regroups): no rank of a job has such a number."""
+
+
+def names(processes: Iterable[int]) -> str:
+    """Processes as records and regroups number them, for people: ``rank 2``, ``ranks 0, 2``, ``rank 1 and spare
+    1001`` (a warm spare, which may have joined and trained, goes by its own number)."""
+    ranks = sorted(p for p in processes if p < SPARE_BASE)
+    spares = sorted(p - SPARE_BASE for p in processes if p >= SPARE_BASE)
+    said = [f"{what}{'s' if len(nums) > 1 else ''} {', '.join(map(str, nums))}"
+            for what, nums in (("rank", ranks), ("spare", spares)) if nums]
+    return " and ".join(said) or "no process"
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:

@@ -24,10 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.core.exits import node_name
-
-SPARE_BASE = 1_000_000
-"""Warm spares go by ``SPARE_BASE + their number``: no rank of a job has such a number."""
+from trainer.core.exits import SPARE_BASE, node_name
 
 
 class Grow(RuntimeError):

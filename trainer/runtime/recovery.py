@@ -31,7 +31,8 @@ from trainer.core import dist as tdist
 from trainer.core import exits
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.errors import exit_now
-from trainer.core.regroup import SPARE_BASE, Membership, Place, RegroupFailed, SpareReleased
+from trainer.core.exits import SPARE_BASE
+from trainer.core.regroup import Membership, Place, RegroupFailed, SpareReleased
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
 from trainer.runtime import ddp_group
@@ -176,7 +177,7 @@ def within_budget(lost: list[int], membership: Membership, s: Setup, failures: i
     record of the generations), with no collective."""
     limit = s.job.max_failures
     if limit is not None and (had := failures + membership.losses()) + 1 > limit:
-        raise RegroupFailed(f"rank(s) {', '.join(map(str, lost))} lost, and the job has had {had} infrastructure "
+        raise RegroupFailed(f"{exits.names(lost)} lost, and the job has had {had} infrastructure "
                             f"failure(s) already (max_failures={limit}): the attempt ends")
 
 
@@ -201,7 +202,7 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
         parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
     except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        what = f"rank(s) {', '.join(map(str, lost))} lost and the others" if lost else "the group"
+        what = f"{exits.names(lost)} lost and the others" if lost else "the group"
         raise RegroupFailed(f"{what} could not go on in place ({type(err).__name__}: {first}): the attempt "
                             "ends") from None
     exits.went_on_without(lost)
@@ -231,5 +232,5 @@ def announce(emit: Callable[..., None], s: Setup, place: Place, lost: list[int],
         return
     went = "a warm spare took the place: " if place.world_size >= was else ""
     size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
-    s.say(f"regrouped: rank(s) {', '.join(map(str, lost))} lost; {went}{size} go on from step {step} in "
+    s.say(f"regrouped: {exits.names(lost)} lost; {went}{size} go on from step {step} in "
           f"{total_s:.2f} s")

@@ -15,6 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from trainer.core import exits
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.events import git_commit, read
 from trainer.core.exits import attempt_id
@@ -159,6 +160,8 @@ def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
         if b.info.get("regroup"):
             out += in_place(number, a, b)
             continue
+        if b.info.get("grew"):  # warm spares joined at a step boundary: no failure to recover from
+            continue
         end = a.verdict
         if end.get("class") not in ("infrastructure", None) or a.exit_code in (0, 75) or not b.first_step_t:
             continue
@@ -197,7 +200,7 @@ def in_place(number: int, a: Attempt, b: Attempt) -> list[dict[str, Any]]:
     times["first_step"] = max(0.0, b.first_step_t - float(b.info["t"]))
     how = ("a warm spare took the place" if r["world_size"] >= r["was"] else
            f"{r['world_size']} of {r['was']} processes went on")
-    return [{"after_attempt": number, "cause": f"rank(s) {', '.join(map(str, r['lost']))} lost, {how}",
+    return [{"after_attempt": number, "cause": f"{exits.names(r['lost'])} lost, {how}",
              "decision": "in place", **times, "total_s": sum(times.values()), "restored_from": None,
              "fetched_bytes": 0, "recomputed_steps": max(0, a.last_step - int(b.info.get("resumed_step") or 0))}]
 
