@@ -42,6 +42,9 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
      "infrastructure", ["n2"], "rank 1 on n2 was killed"),
     ([rec(0, "n1", 1, "infrastructure", **ECHO), rec(1, "n2", None)], [], 137, False,
      "infrastructure", ["n2"], "ended without a record"),
+    # a warm spare that joined and its node's rank, both killed: each named as such
+    ([rec(0, "n1", None), rec(exits.SPARE_BASE + 1001, "n1", None), rec(1, "n2", 1, "infrastructure", **ECHO)],
+     [("n1", "0", "Killed")], 137, False, "infrastructure", ["n1"], "rank 0 and spare 1001 on n1 were killed"),
     # the user's error recorded late (after the echo of its peer): still the first cause, never blamed on a node
     ([rec(0, "n1", 1, "infrastructure", t=1, **ECHO), rec(1, "n2", 1, "user_error", t=2, cause="ValueError: x",
                                                            where="m.py:3")],

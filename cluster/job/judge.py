@@ -148,7 +148,8 @@ def _without_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], 
         node, tasks, how = killed[0]
         ranks = [r.rank for r in silent if r.node == node]
         who = exits.names(ranks) if ranks else f"task {tasks}"
-        cause = f"{node}: {how}" if tasks == "launch" else f"{who} on {node} was killed (srun: task {tasks}: {how})"
+        were = "were" if len(ranks) > 1 else "was"
+        cause = f"{node}: {how}" if tasks == "launch" else f"{who} on {node} {were} killed (srun: task {tasks}: {how})"
         return Verdict(exits.INFRASTRUCTURE, cause, blame=[node], step=step, hard=tasks == "launch")
     if silent:  # no kill in srun's lines (torchrun's agent reports one as exit 1): blame only a single node
         where = sorted({r.node for r in silent})
