@@ -33,6 +33,14 @@ def publish(groups: dict[str, str]) -> None:
         (Path(os.environ[ENV]) / f"{worker}.json").write_text(json.dumps(groups))
 
 
+def published() -> dict[str, str]:
+    """In the controller, once every worker has collected: the group of each test id the workers published."""
+    groups: dict[str, str] = {}
+    for path in Path(os.environ[ENV]).glob("*.json"):
+        groups.update(json.loads(path.read_text()))
+    return groups
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -45,9 +53,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # asked once every worker has collected, so every file is there
-                self.groups = {}
-                for path in Path(os.environ[ENV]).glob("*.json"):
-                    self.groups.update(json.loads(path.read_text()))
+                self.groups = published()
             return self.groups.get(nodeid, nodeid)
 
     return GroupScheduling(config, log)
@@ -86,8 +92,7 @@ _GROUPS: dict[str, str] = {}
 
 def _group_of(nodeid: str) -> str:
     if not _GROUPS and os.environ.get(ENV):
-        for path in Path(os.environ[ENV]).glob("*.json"):
-            _GROUPS.update(json.loads(path.read_text()))
+        _GROUPS.update(published())
     group = _GROUPS.get(nodeid)
     return group if group and group.startswith("dev-cluster") else "other"
 

@@ -18,7 +18,6 @@ from typing import Any
 from trainer.core import exits
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.events import git_commit, read
-from trainer.core.exits import attempt_id
 
 
 def versions() -> dict[str, Any]:
@@ -286,7 +285,7 @@ def started(env: DistEnv, job: JobInfo, started_at: float, resumed_step: int, ma
             **more: Any) -> dict[str, Any]:
     """The facts an ``attempt`` event records: when and where this start of the job runs, what it continues, and
     its start-up so far by phase (``marks``: when the session opened and when its process group was up)."""
-    return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count, attempt=attempt_id(),
+    return dict(started=round(started_at, 3), job_id=env.job_id, restart=job.restart_count, attempt=exits.attempt_id(),
                 array_job_id=job.array_job_id, array_task_id=job.array_task_id, nodes=env.num_nodes,
                 processes=env.world_size, resumed_step=resumed_step, **more,
                 startup=phases(started_at, *marks, time.time(), float(more.get("restore_s") or 0.0)),
