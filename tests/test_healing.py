@@ -44,13 +44,14 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
               sig: signal.Signals = signal.SIGKILL) -> str:
     """SIGKILL (or ``sig``) the training process of ``rank`` (None: of any rank not on node ``not_on``) in attempt
     ``restart`` of ``job`` (``script``: the command's own process, under `python -m trainer.launch`); return its
-    Slurm node name."""
+    Slurm node name. A warm spare is never the one (its step numbers its tasks from 0 too)."""
     for pid, env, argv in processes():
-        ours = env.get("SLURM_JOB_ID") == job and int(env.get("SLURM_RESTART_COUNT") or 0) == restart
+        ours = env.get("SLURM_JOB_ID") == job and int(env.get("SLURM_RESTART_COUNT") or 0) == restart and \
+            "TRAINER_SPARE" not in env
         which = env.get("SLURM_PROCID") == str(rank) if rank is not None else (
             "SLURM_PROCID" in env and env.get("SLURMD_NODENAME") != not_on)
         trainer = "python" in Path(argv[0]).name and (
-            argv[1:2] == [script] if script else "-m" in argv and "cluster.job.verdict" not in argv)
+            argv[1:2] == [script] if script else "-m" in argv and not {"cluster.job.verdict", "trainer.store"} & set(argv))
         if ours and which and trainer:
             os.kill(pid, sig)
             return env["SLURMD_NODENAME"]
@@ -366,6 +367,32 @@ def test_a_warm_spare_on_the_spare_node_takes_the_killed_ranks_place(slurm_env: 
     assert runs == ["COMPLETED"], runs
     first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
     print(f"kill → first step with the warm spare: {first_step - killed_at:.2f} s (no process started)")
+
+
+def test_spares_that_took_both_first_ranks_places_finish_the_attempt(slurm_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    """regroup: true with a spare node: rank 1 SIGKILLed (the spare on the third node takes its place), then rank 0
+    (rank 1's node still runs: a replacement started there may take it). srun's training step then has no task
+    left, yet spares train on: the batch script waits while the store counts them, and the job finishes in its first
+    attempt, without a restart."""
+    run = tmp_path / "run"
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4, "step_delay_s": 0.4}}),
+           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, "train.epochs=3", f"run.dir={run}"], ["spare_nodes=1", "regroup=true"])
+    held(run, ranks=2)
+    kill_rank(job, 1, 0)
+    go(run)
+    wait_for(lambda: events(run, "regroup"), timeout=120, what="the spare to take rank 1's place")
+    kill_rank(job, 0, 0)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and not result["resumed_from"], result
+    assert len(set(result["param_checksums"])) == 1, result
+    assert [e["lost"] for e in events(run, "regroup")][:2] == [[1], [0]], events(run, "regroup")
+    assert [e.get("attempt") for e in events(run, "job_start") if "attempt" in e] == ["0"]  # no restart
+    [end] = events(run, "attempt_end")
+    assert end["class"] == "finished" and "rank 0 on" in end["cause"] and "rank 1 on" in end["cause"], end
+    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    assert runs == ["COMPLETED"], runs
 
 
 def test_a_command_whose_process_is_killed_is_retried_without_its_node(slurm_env: dict[str, str],

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from trainer.core.exits import SPARE_BASE
 from trainer.core.regroup import Presence, decide, join
 from trainer.store import start as start_store
 
@@ -78,6 +79,34 @@ def test_the_store_process_marks_a_rank_lost_when_its_presence_ends_without_done
         dies.sock.close()  # as the kernel does for a killed process
         client.wait(["lost/4"], timedelta(seconds=60))
         assert not client.check(["lost/3"])
+    finally:
+        store_proc.terminate()
+        assert store_proc.wait(timeout=60) == 0
+
+
+def test_the_store_process_counts_the_processes_training_for_the_batch_script(tmp_path: Path) -> None:
+    """--live-file: ranks count until they end, a waiting spare only once a generation takes it (srun's step ends with
+    its own tasks; the batch script waits on this count for the spares that took their places)."""
+    live = tmp_path / "live"
+    store_proc, ports = start_store(tmp_path / "port", env=clean_env(), cwd=ROOT, options=("--live-file", str(live)))
+
+    def reads(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while not (live.exists() and live.read_text() == f"{n}\n"):
+            assert time.monotonic() < deadline, f"--live-file never read {n}: {live.read_text() if live.exists() else ''}"
+            time.sleep(0.05)
+
+    try:
+        client = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        reads(0)
+        rank, spare = Presence("127.0.0.1", ports[1], 0), Presence("127.0.0.1", ports[1], SPARE_BASE + 1)
+        reads(1)  # the spare waits: not counted
+        client.set(f"spare/{SPARE_BASE + 1}/generation", "1")
+        reads(2)  # taken in
+        rank.sock.close()  # killed
+        reads(1)  # the spare trains on alone
+        spare.close()
+        reads(0)
     finally:
         store_proc.terminate()
         assert store_proc.wait(timeout=60) == 0

@@ -87,6 +87,10 @@ JUDGED = [  # records, srun's lines, rc, marker -> class, blamed nodes, words of
     ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", 0, "finished", went_on_without=[2]),
       rec(2, "n3", 3, "infrastructure", cause="hang: no progress for 3 s; stuck rank(s) 2 on n3", blame=["n3"])],
      [("n3", "2", "Killed")], 137, False, "finished", ["n3"], "rank 2 on n3 (hang: no progress for 3 s"),
+    # … every rank as started lost in turn, and spares (their records name the places they took) finished the run
+    ([rec(0, "n1", None), rec(1, "n2", None), rec(1_000_000, "n3", 0, "finished", went_on_without=[0, 1]),
+      rec(1_001_002, "n1", 0, "finished")], [("n2", "1", "Killed"), ("n1", "0", "Killed")], 137, False, "finished",
+     ["n1", "n2"], "rank 0 on n1, rank 1 on n2 lost"),
     # … but not a rank they did not go on without, nor a survivor that failed afterwards
     ([rec(0, "n1", 0, "finished", went_on_without=[2]), rec(1, "n2", None), rec(2, "n3", None)],
      [("n2", "1", "Killed")], 137, False, "infrastructure", ["n2"], "rank 1 on n2 was killed"),

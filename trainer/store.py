@@ -12,7 +12,9 @@ ran), TRAINER_REPLACEMENT (1, 2, …: a number for a warm spare it may start) an
 starts a warm spare on the lost rank's node there, which the group takes in at a step boundary when the node still
 runs processes (only the process was lost). ``--on-hang CMD`` kills a rank the others found stuck (the hang
 watchdog: ``hung/<k>``), with TRAINER_HUNG_RANK, TRAINER_HUNG_NODE and TRAINER_HUNG_PID; without it the store kills
-it where it runs on this host. The commands still running when the store stops are ended with it.
+it where it runs on this host. The commands still running when the store stops are ended with it. ``--live-file F``
+holds the number of processes training now (ranks, and spares a generation took in), rewritten as it changes: the
+batch script waits on it, since srun's step ends with its own tasks while the spares that took their places train on.
 """
 
 from __future__ import annotations
@@ -27,22 +29,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from trainer.core.exits import node_name
+from trainer.core.exits import SPARE_BASE, node_name
 
 
 def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, str], None] = lambda r, n: None,
-                   on_hung: Callable[[int, str, int], None] = lambda r, n, p: None) -> None:
+                   on_hung: Callable[[int, str, int], None] = lambda r, n, p: None,
+                   on_live: Callable[[int], None] = lambda n: None) -> None:
     """Accept presence connections; a rank whose connection ends without ``done`` is lost (``on_lost(rank, node)``).
-    Between events, the ranks the others asked to have killed (``hung/<k>``, stuck): ``on_hung(rank, node, pid)``."""
+    Between events, the ranks the others asked to have killed (``hung/<k>``, stuck): ``on_hung(rank, node, pid)``;
+    and ``on_live(n)`` whenever the number of processes training (``training``) changes."""
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     seen: dict[socket.socket, bytes] = {}
-    asked = 0
+    asked, live = 0, -1
     while True:
         for key, _ in sel.select(timeout=0.2):
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -67,12 +71,29 @@ def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, st
                 store.set(f"{'lost' if lost else 'ended'}/{rank}", f"{time.time():.3f}")
                 if lost:
                     on_lost(rank, facts.get("node", ""))
-        while asked < int(store.add("hung/count", 0)):
-            stuck = int(store.get(f"hung/{asked}").decode())
-            asked += 1
-            live = {r: f for r, f, _ in map(hello, seen.values()) if r is not None}
-            if stuck in live and live[stuck].get("pid", "").isdigit():
-                on_hung(stuck, live[stuck].get("node", ""), int(live[stuck]["pid"]))
+        asked = kill_stuck(store, seen.values(), asked, on_hung)
+        if live != (now := training(store, seen.values())):
+            live = now
+            on_live(live)
+
+
+def kill_stuck(store: Any, said: Iterable[bytes], asked: int, on_hung: Callable[[int, str, int], None]) -> int:
+    """``on_hung`` for each rank asked to be killed since the first ``asked`` (``hung/<k>``) that is still connected
+    (``said``: what each connection said); how many were asked so far."""
+    live = {r: f for r, f, _ in map(hello, said) if r is not None}
+    while asked < int(store.add("hung/count", 0)):
+        stuck = int(store.get(f"hung/{asked}").decode())
+        asked += 1
+        if stuck in live and live[stuck].get("pid", "").isdigit():
+            on_hung(stuck, live[stuck].get("node", ""), int(live[stuck]["pid"]))
+    return asked
+
+
+def training(store: Any, said: Iterable[bytes]) -> int:
+    """The connected processes that train: every rank not done, and the spares a generation has taken (a spare still
+    waiting does not count: it leaves once the others end)."""
+    ranks = [r for r, _, words in map(hello, said) if r is not None and "done" not in words]
+    return sum(1 for r in ranks if r < SPARE_BASE or store.check([f"spare/{r}/generation"]))
 
 
 def hello(said: bytes) -> tuple[int | None, dict[str, str], list[str]]:
@@ -128,12 +149,13 @@ class Actions:
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
-          timeout: float = 120.0) -> tuple[subprocess.Popen[str], tuple[int, int]]:
-    """Start ``python -m trainer.store`` on this host's loopback and free ports; once it listens, the process and
-    its (store, presence) ports. RuntimeError, with what it printed, if it ends or does not listen in ``timeout``."""
+          timeout: float = 120.0, options: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], tuple[int, int]]:
+    """Start ``python -m trainer.store`` (with ``options``) on this host's loopback and free ports; once it listens,
+    the process and its (store, presence) ports. RuntimeError, with what it printed, if it ends or does not listen in
+    ``timeout``."""
     store = subprocess.Popen([sys.executable, "-m", "trainer.store", "--host", "127.0.0.1", "--port-file",
-                              str(port_file)], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+                              str(port_file), *options], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if store.poll() is not None or time.monotonic() > deadline:
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the name the ranks reach this host by (for --on-lost's TRAINER_STORE)")
     parser.add_argument("--on-lost", help="a shell command to run for each rank lost (TRAINER_LOST_RANK, "
                         "TRAINER_LOST_NODE, TRAINER_REPLACEMENT): e.g. start a warm spare on its node")
+    parser.add_argument("--live-file", type=Path, help="hold the number of processes training now here")
     parser.add_argument("--on-hang", help="a shell command to kill a rank the others found stuck (TRAINER_HUNG_RANK, "
                         "TRAINER_HUNG_NODE, TRAINER_HUNG_PID); default: SIGKILL where it runs on this host")
     args = parser.parse_args(argv)
@@ -166,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=timedelta(seconds=60))
     presence = socket.create_server((args.host, 0))
     actions = Actions(args.on_lost, args.on_hang)
-    threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung), name="presence",
+    live_file = args.live_file
+
+    def live(n: int) -> None:
+        if live_file:
+            write_atomic(live_file, f"{n}\n", durable=False)
+
+    threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung, live), name="presence",
                      daemon=True).start()
     ports = f"{store.port} {presence.getsockname()[1]}"
     actions.address = f"{args.host_name}:{ports.replace(' ', ':')}"

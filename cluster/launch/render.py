@@ -138,8 +138,9 @@ def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
                                  'kill -KILL "$TRAINER_HUNG_PID"'),
         f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
         'store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
-        'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"',
-        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" --host-name "$store_host"{on_lost} '
+        'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}',
+        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" --live-file "$store_file.live" '
+        f'--host-name "$store_host"{on_lost} '
         '--on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &',
         "store_pid=$!",
         'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
@@ -262,6 +263,10 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
     It runs here, in the batch shell, outside any container. ``report``: write a command's run report (the session
     API writes its own)."""
     return [
+        *(["# srun's step ends with its own tasks, but spares that took lost ranks' places may train on: while the store",
+           "# counts processes training, the attempt goes on",
+           'while [[ -n ${store_pid:-} && $(cat "$store_file.live" 2>/dev/null) =~ ^[1-9] ]] && kill -0 "$store_pid" '
+           '2>/dev/null; do sleep 0.2; done'] if p.regroup else []),
         *(["if [[ -n ${spare_pid:-} ]]; then  # spares leave once the attempt ends; a used one ends with the others",
            '  for _ in $(seq 100); do kill -0 "$spare_pid" 2>/dev/null || break; sleep 0.1; done',
            '  kill "$spare_pid" 2>/dev/null || true',

@@ -65,8 +65,8 @@ while :; do
   on_hang='srun --overlap --nodes=1 --ntasks=1 --nodelist="$TRAINER_HUNG_NODE" kill -KILL "$TRAINER_HUNG_PID"'
   unset TRAINER_STORE; export TRAINER_MAX_FAILURES=3
   store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
-  store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"
-  <python> -m trainer.store --port-file "$store_file" --host-name "$store_host" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
+  store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}
+  <python> -m trainer.store --port-file "$store_file" --live-file "$store_file.live" --host-name "$store_host" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
   store_pid=$!
   for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done
   if read -r store_port presence_port 2>/dev/null < "$store_file"; then
@@ -85,6 +85,9 @@ while :; do
   fi
   srun --kill-on-bad-exit=0 --label --nodes="$need" --nodelist="$step_nodes" --ntasks=$(( need * 1 )) <python> -m trainer optim.lr=0.1 'run.name=a'"'"'; touch pwned; echo '"'"'x' 'run.name="$(touch pwned)"' 'run.name=a b;c|d`touch pwned`' "$@" || rc=$?
 
+  # srun's step ends with its own tasks, but spares that took lost ranks' places may train on: while the store
+  # counts processes training, the attempt goes on
+  while [[ -n ${store_pid:-} && $(cat "$store_file.live" 2>/dev/null) =~ ^[1-9] ]] && kill -0 "$store_pid" 2>/dev/null; do sleep 0.2; done
   if [[ -n ${spare_pid:-} ]]; then  # spares leave once the attempt ends; a used one ends with the others
     for _ in $(seq 100); do kill -0 "$spare_pid" 2>/dev/null || break; sleep 0.1; done
     kill "$spare_pid" 2>/dev/null || true

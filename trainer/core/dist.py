@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.core import exits
 from trainer.core.env import DistEnv, StoreAddress
 from trainer.core.errors import UserError
 from trainer.core.regroup import Membership
@@ -108,6 +109,7 @@ def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress |
         try:
             membership = Membership(store.host, store.port, store.presence, env.rank, env.world_size, backend, timeout,
                                     spare)
+            exits.went_on_without(membership.replaced())  # a spare's end record names the ranks it replaced
         except (RuntimeError, OSError) as exc:
             raise UserError("TRAINER_STORE", f"rank {env.rank}: the job's store at {store.host}:{store.port} did "
                             f"not answer: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}",

@@ -212,6 +212,16 @@ class Membership:
             self.size = int(self.store.get("size").decode())
         form(self.store, self.place, backend, timeout)
 
+    def replaced(self) -> list[int]:
+        """The ranks (as started) the group went on without when this process took its place: the generation before
+        this one's members that are not in it (none for a rank of the first generation, or a spare that grew it)."""
+        generation = self.place.generation
+        if generation == 0:
+            return []
+        before = self.store.get(f"generation/{generation - 1}/members").decode() if generation > 1 else ""
+        members = [int(r) for r in before.split(",") if r] if generation > 1 else list(range(self.size))
+        return [r for r in members if r not in self.place.members]
+
     def lost(self, wait_s: float = 2.0) -> list[int]:
         """The current members the store marked lost (see ``lost_members``)."""
         return lost_members(self.store, self.place.members, wait_s)
