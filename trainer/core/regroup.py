@@ -203,6 +203,7 @@ class Membership:
         origin = rank if spare is None else SPARE_BASE + spare
         self.presence = Presence(host, presence_port, origin, timeout.total_seconds(), node_name())
         self.backend, self.timeout, self.size = backend, timeout, world_size
+        self._pulser: Any = None
         if spare is None:
             self.place = Place.first(rank, world_size)
             self.store.set("size", str(world_size))  # the job's size, which a spare may grow a smaller group back to
@@ -249,12 +250,30 @@ class Membership:
         self.place = next_group(self.store, self.place, self.place.members, self.backend, self.timeout, self.size)
         return self.place
 
+    def _pulse_client(self) -> Any:
+        """The pulse thread's store client (the main thread's may be mid-request)."""
+        if self._pulser is None:
+            self._pulser = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
+        return self._pulser
+
     def have_killed(self, ranks: list[int]) -> None:
-        """Ask the store process to kill these ranks of the current group, stuck (the hang watchdog's thread: a store
-        client of its own, the main thread's may be mid-request)."""
+        """Ask the store process to kill these ranks of the current group, stuck (from the hang watchdog's thread)."""
         client = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
         for r in ranks:
             client.set(f"hung/{int(client.add('hung/count', 1)) - 1}", str(self.place.members[r]))
+
+    def pulse(self) -> None:
+        """Count once more for this process (``pulse/<origin>``, from the pulse thread): a stopped one's stands still."""
+        self._pulse_client().add(f"pulse/{self.place.members[self.place.rank]}", 1)
+
+    def still(self, wait_s: float, sleep: Callable[[float], None] = time.sleep) -> list[int]:
+        """The current group's ranks whose pulse stood still for ``wait_s`` seconds: stopped, or stuck holding the
+        GIL (their pulse thread cannot run either). A client of its own: the pulse thread's is busy meanwhile."""
+        client = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
+        keys = [f"pulse/{origin}" for origin in self.place.members]
+        before = [int(client.add(k, 0)) for k in keys]
+        sleep(wait_s)
+        return [r for r, (k, b) in enumerate(zip(keys, before, strict=True)) if int(client.add(k, 0)) == b]
 
     def can_grow(self) -> bool:
         """Whether warm spares wait while the group is smaller than the job's first generation (a store round trip

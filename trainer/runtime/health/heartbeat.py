@@ -12,6 +12,8 @@ timeout, which this exit comes before. A new attempt in the same run folder firs
 Where the job's store runs apart (``kill``: the survivors can regroup), the ranks that wait do not exit: they have the
 stuck ranks killed (the store does it, on their nodes) and go on once their collective fails, as after any lost rank;
 the stuck ranks exit as before. A rank whose watchdog cannot run (stopped, or holding the GIL) is killed all the same.
+There each rank also counts in the store while it runs (``pulse``, a thread of its own): a stopped rank's count stands
+still, so the others need not wait out a grace for files it will never write.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,18 +48,32 @@ NCCL_DUMP_TIMEOUT_S = 5.0
 """How long a rank waits for NCCL's flight recorder dump before it reports without it."""
 
 
+class Pulse(Protocol):
+    """The job's store as the watchdog uses it (``trainer.core.regroup.Membership``)."""
+
+    def pulse(self) -> None:
+        """Count once more for this process (from the pulse thread)."""
+
+    def still(self, wait_s: float) -> list[int]:
+        """The current group's ranks whose counts stood still for ``wait_s`` seconds: not running."""
+
+
 class Heartbeat:
     """This rank's heartbeat and the watchdog thread that reports when it stops."""
 
     def __init__(self, env: DistEnv, folder: Path, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, kill: Callable[[list[int]], None] | None = None) -> None:
-        """``kill``: has the given ranks (of the current group) killed, where the others can go on without them."""
+                 clock: Callable[[], float] = time.monotonic, kill: Callable[[list[int]], None] | None = None,
+                 pulse: Pulse | None = None) -> None:
+        """``kill``: has the given ranks (of the current group) killed, where the others can go on without them;
+        ``pulse``: counts while this process runs, and tells which ranks stopped counting."""
         self.env, self.folder, self.timeout_s, self.clock, self.kill = env, folder, timeout_s, clock, kill
+        self.pulse = pulse
+        self.interval = min(1.0, timeout_s / 4)
         self.seq, self.step, self.phase = 0, 0, "start"
         self.last = clock()
         self.paused = 0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def beat(self, phase: str, step: int | None = None) -> None:
         """Record progress at a point every rank passes in the same order (counted in ``seq``)."""
@@ -83,18 +99,21 @@ class Heartbeat:
 
     def start(self) -> None:
         """Arm the watchdog (after the first step: compiling and warm-up may take minutes)."""
-        if self.timeout_s <= 0 or self._thread is not None:
+        if self.timeout_s <= 0 or self._threads:
             return
         self.last = self.clock()
-        self._thread = threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)]
+        if self.pulse is not None:
+            self._threads.append(threading.Thread(target=self._pulse, name="heartbeat-pulse", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         """Disarm the watchdog (the loop is over; the final save and tracking upload may take long)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
 
     def silent_for(self) -> float | None:
         """Seconds without progress, once past the timeout and not paused (None: all is well)."""
@@ -102,11 +121,25 @@ class Heartbeat:
         return silent if not self.paused and self.timeout_s > 0 and silent > self.timeout_s else None
 
     def _watch(self) -> None:
-        interval = min(1.0, self.timeout_s / 4)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self.interval):
             silent = self.silent_for()
             if silent is not None:
                 self._report(silent)
+
+    def _pulse(self) -> None:
+        """Count in the store twice per watchdog interval while this process runs (its own thread: the watchdog's
+        may be busy reporting, and must still count)."""
+        assert self.pulse is not None
+        while not self._stop.wait(self.interval / 2):
+            with contextlib.suppress(Exception):  # the store gone: the report still comes, after the grace
+                self.pulse.pulse()
+
+    def _still(self) -> list[int]:
+        """The ranks whose pulse stood still (stopped, or holding the GIL); none without a pulse or a store."""
+        try:
+            return self.pulse.still(max(2.0, 2 * self.interval)) if self.pulse is not None else []
+        except Exception:  # noqa: BLE001 - no store to ask: the grace decides, as without one
+            return []
 
     def _report(self, silent: float) -> None:
         """Write this rank's stacks and last beat; rank 0 writes the report. Then leave: the job is stuck."""
@@ -124,25 +157,31 @@ class Heartbeat:
                     "nccl_trace": dump_nccl_trace(folder / f"nccl_trace_rank_{rank}.pkl")}
             # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
             write_json(folder / f"rank_{rank}.json", last, durable=False)
-        report = folder / "report.txt"
-        deadline = time.monotonic() + grace
-        if rank == 0:
-            while len(list(folder.glob("rank_*.json"))) < world and time.monotonic() < deadline:
-                time.sleep(0.2)
-            text = build_report(folder, world, self.timeout_s)
-            with contextlib.suppress(OSError):
-                write_atomic(report, text, durable=False)
-            print(text, file=sys.stderr, flush=True)
-        else:
-            while not report.exists() and time.monotonic() < deadline + grace:
-                time.sleep(0.2)
-            if not report.exists():  # rank 0 could not report (dead, or stuck without releasing the GIL)
-                print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; "
-                      f"stacks in {folder}", file=sys.stderr, flush=True)
+        self._collect(folder, rank, world, grace, silent)
         if self._went_on(folder, rank, world, grace):
             return
         self._record_hang(folder, rank, world, silent)
         os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
+
+    def _collect(self, folder: Path, rank: int, world: int, grace: float, silent: float) -> None:
+        """Rank 0 waits up to ``grace`` for every running rank's files (not those whose pulse stood still: they
+        will write none) and writes the report; the others wait for it, unless rank 0 is not running."""
+        still = self._still()
+        report = folder / "report.txt"
+        deadline = time.monotonic() + grace
+        if rank == 0:
+            while len(list(folder.glob("rank_*.json"))) < world - len(still) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            text = build_report(folder, world, self.timeout_s, still)
+            with contextlib.suppress(OSError):
+                write_atomic(report, text, durable=False)
+            print(text, file=sys.stderr, flush=True)
+            return
+        while 0 not in still and not report.exists() and time.monotonic() < deadline + grace:
+            time.sleep(0.2)
+        if not report.exists():  # rank 0 could not report (dead, stopped, or stuck without releasing the GIL)
+            print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; stacks in {folder}",
+                  file=sys.stderr, flush=True)
 
     def _went_on(self, folder: Path, rank: int, world: int, grace: float) -> bool:
         """Where the others can go on without the stuck ranks (``kill``) and this rank (``rank`` of ``world`` when the
@@ -202,8 +241,9 @@ def stuck_ranks(beats: dict[int, dict[str, Any]], world: int) -> tuple[list[int]
     return stuck, len(stuck) == len(beats) == world
 
 
-def build_report(folder: Path, world: int, timeout_s: float) -> str:
-    """The hang report from the ranks' files: who is stuck where, then each stuck rank's stacks."""
+def build_report(folder: Path, world: int, timeout_s: float, still: list[int] | None = None) -> str:
+    """The hang report from the ranks' files: who is stuck where, then each stuck rank's stacks (``still``: the
+    ranks whose pulse in the store stood still)."""
     beats = _beats(folder)
     missing = [r for r in range(world) if r not in beats]
     lines = [f"HANG: no progress for more than {timeout_s:.0f} s (dist.heartbeat_timeout_s); stacks in {folder}"]
@@ -221,7 +261,9 @@ def build_report(folder: Path, world: int, timeout_s: float) -> str:
             lines.append(f"  rank {r:>3} {mark}  {b['host']} pid {b['pid']}: step {b['step']}, {b['phase']} (#{b['seq']})"
                          f"{trace}")
     for r in missing:
-        lines.append(f"  rank {r:>3} ?      wrote nothing: dead, or stuck without releasing the GIL")
+        why = ("not running (its pulse in the store stood still): stopped, or stuck holding the GIL" if r in (still or [])
+               else "dead, or stuck without releasing the GIL")
+        lines.append(f"  rank {r:>3} ?      wrote nothing: {why}")
     for r in stuck[:4]:  # the stacks that matter; the others are in the folder
         with contextlib.suppress(OSError):
             lines += ["", f"--- rank {r} stacks ---", (folder / f"rank_{r}.txt").read_text().rstrip()]
