@@ -69,6 +69,8 @@ class Heartbeat:
         self.env, self.folder, self.timeout_s, self.clock, self.kill = env, folder, timeout_s, clock, kill
         self.pulse = pulse
         self.interval = min(1.0, timeout_s / 4)
+        # A pulse per rank every 0.5-5 s: at 16,384 ranks and the default timeout, some 3,300 adds a second on the store.
+        self.pulse_s = min(5.0, max(0.5, timeout_s / 12))
         self.seq, self.step, self.phase = 0, 0, "start"
         self.last = clock()
         self.paused = 0
@@ -127,17 +129,17 @@ class Heartbeat:
                 self._report(silent)
 
     def _pulse(self) -> None:
-        """Count in the store twice per watchdog interval while this process runs (its own thread: the watchdog's
-        may be busy reporting, and must still count)."""
+        """Count in the store every ``pulse_s`` while this process runs (its own thread: the watchdog's may be busy
+        reporting, and must still count)."""
         assert self.pulse is not None
-        while not self._stop.wait(self.interval / 2):
+        while not self._stop.wait(self.pulse_s):
             with contextlib.suppress(Exception):  # the store gone: the report still comes, after the grace
                 self.pulse.pulse()
 
     def _still(self) -> list[int]:
         """The ranks whose pulse stood still (stopped, or holding the GIL); none without a pulse or a store."""
         try:
-            return self.pulse.still(max(2.0, 2 * self.interval)) if self.pulse is not None else []
+            return self.pulse.still(max(2.0, 2.5 * self.pulse_s)) if self.pulse is not None else []
         except Exception:  # noqa: BLE001 - no store to ask: the grace decides, as without one
             return []
 
