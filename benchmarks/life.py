@@ -160,11 +160,11 @@ def section(r: dict[str, Any] | None, regrouped: dict[str, Any] | None = None) -
     if regrouped is not None:
         out += ["Where the regrouping job's time still goes: each preemption is a requeue (the job leaves its nodes: "
                 "Slurm 22.05's queue wait and new processes, about 20 s each, section 11); a rank stopped from outside "
-                "is given away only after the others' hang watchdog (`dist.heartbeat_timeout_s`); and when every "
-                "process of the attempt's own job step is gone while spares that joined train on in their steps, the "
-                "batch script still ends the attempt after its 10 s wait for the spares and restarts it in the "
-                "allocation (from memory): that restart's row is the one without a decision, the leftover group's "
-                "regroup having taken its place in the attempt order.", ""]
+                "is given away only after the others' hang watchdog (`dist.heartbeat_timeout_s`), about 2 s more to "
+                "see that its pulse in the store stood still, and its kill (`srun --overlap`). A kill whose victim "
+                "was the last process of the attempt's own job step, while spares that had taken the other places "
+                "trained on, no longer ends the attempt: the batch script waits while the store counts processes "
+                "training.", ""]
     return out
 
 
