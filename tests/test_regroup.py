@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from trainer.core.exits import SPARE_BASE
 from trainer.core.regroup import Presence, decide, join
+from trainer.store import kill_stuck
 from trainer.store import start as start_store
 
 from .conftest import ROOT, clean_env, outputs
@@ -110,6 +111,28 @@ def test_the_store_process_counts_the_processes_training_for_the_batch_script(tm
     finally:
         store_proc.terminate()
         assert store_proc.wait(timeout=60) == 0
+
+
+def test_the_store_kills_each_stuck_rank_asked_for_and_never_blocks_on_a_request_not_written() -> None:
+    """``hung/count`` is counted before ``hung/<k>`` is written: a request not written yet is waited for on the next
+    round (the presence thread never blocks on it), and one whose asker died in between is passed over once a later
+    one is written. Only a rank still connected is killed, with its pid and node from its presence."""
+    store, killed = dist.HashStore(), []  # type: ignore[attr-defined]
+    said = [b"1 pid=11 node=n2\n", b"2 pid=12 node=n3\n"]
+
+    def kill(rank: int, node: str, pid: int) -> None:
+        killed.append((rank, node, pid))
+
+    store.add("hung/count", 1)
+    assert kill_stuck(store, said, 0, kill) == 0 and not killed  # counted, not written: next round
+    store.set("hung/0", "2")
+    assert kill_stuck(store, said, 0, kill) == 1 and killed == [(2, "n3", 12)]
+    store.add("hung/count", 2)  # requests 1 (its asker died before writing it) and 2
+    store.set("hung/2", "1")
+    assert kill_stuck(store, said, 1, kill) == 3 and killed[1:] == [(1, "n2", 11)]
+    store.add("hung/count", 1)
+    store.set("hung/3", "7")  # a rank no longer connected: nothing to kill
+    assert kill_stuck(store, said, 3, kill) == 4 and len(killed) == 2
 
 
 def run_job(folder: Path, lost: int, spares: int = 0) -> list[dict[str, object]]:

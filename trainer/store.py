@@ -71,17 +71,27 @@ def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, st
                 store.set(f"{'lost' if lost else 'ended'}/{rank}", f"{time.time():.3f}")
                 if lost:
                     on_lost(rank, facts.get("node", ""))
-        asked = kill_stuck(store, seen.values(), asked, on_hung)
-        if live != (now := training(store, seen.values())):
-            live = now
-            on_live(live)
+        try:
+            asked = kill_stuck(store, seen.values(), asked, on_hung)
+            if live != (now := training(store, seen.values())):
+                live = now
+                on_live(live)
+        except Exception as exc:  # noqa: BLE001 - this thread must go on: the ranks' ends still have to be seen
+            print(f"store: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}", flush=True)
 
 
 def kill_stuck(store: Any, said: Iterable[bytes], asked: int, on_hung: Callable[[int, str, int], None]) -> int:
     """``on_hung`` for each rank asked to be killed since the first ``asked`` (``hung/<k>``) that is still connected
-    (``said``: what each connection said); how many were asked so far."""
+    (``said``: what each connection said); how many were dealt with so far. A request counted but not written yet
+    is waited for (without blocking: the next call), unless a later one is written (its asker died in between)."""
     live = {r: f for r, f, _ in map(hello, said) if r is not None}
-    while asked < int(store.add("hung/count", 0)):
+    count = int(store.add("hung/count", 0))
+    while asked < count:
+        if not store.check([f"hung/{asked}"]):
+            if not any(store.check([f"hung/{k}"]) for k in range(asked + 1, count)):
+                return asked
+            asked += 1
+            continue
         stuck = int(store.get(f"hung/{asked}").decode())
         asked += 1
         if stuck in live and live[stuck].get("pid", "").isdigit():

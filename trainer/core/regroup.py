@@ -256,24 +256,27 @@ class Membership:
             self._pulser = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
         return self._pulser
 
+    def members(self) -> tuple[int, ...]:
+        """The current group's ranks, as started, in rank order."""
+        return self.place.members
+
     def have_killed(self, ranks: list[int]) -> None:
-        """Ask the store process to kill these ranks of the current group, stuck (from the hang watchdog's thread)."""
+        """Ask the store process to kill these ranks (as started), stuck (from the hang watchdog's thread)."""
         client = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
         for r in ranks:
-            client.set(f"hung/{int(client.add('hung/count', 1)) - 1}", str(self.place.members[r]))
+            client.set(f"hung/{int(client.add('hung/count', 1)) - 1}", str(r))
 
     def pulse(self) -> None:
         """Count once more for this process (``pulse/<origin>``, from the pulse thread): a stopped one's stands still."""
         self._pulse_client().add(f"pulse/{self.place.members[self.place.rank]}", 1)
 
-    def still(self, wait_s: float, sleep: Callable[[float], None] = time.sleep) -> list[int]:
-        """The current group's ranks whose pulse stood still for ``wait_s`` seconds: stopped, or stuck holding the
-        GIL (their pulse thread cannot run either). A client of its own: the pulse thread's is busy meanwhile."""
+    def still(self, ranks: tuple[int, ...], wait_s: float, sleep: Callable[[float], None] = time.sleep) -> list[int]:
+        """Those of ``ranks`` (as started) whose pulse stood still for ``wait_s`` seconds: stopped, or stuck holding
+        the GIL (their pulse thread cannot run either). A client of its own: the pulse thread's is busy meanwhile."""
         client = dist.TCPStore(*self.address, is_master=False, timeout=self.timeout)  # type: ignore[attr-defined]
-        keys = [f"pulse/{origin}" for origin in self.place.members]
-        before = [int(client.add(k, 0)) for k in keys]
+        before = {r: int(client.add(f"pulse/{r}", 0)) for r in ranks}
         sleep(wait_s)
-        return [r for r, (k, b) in enumerate(zip(keys, before, strict=True)) if int(client.add(k, 0)) == b]
+        return [r for r in ranks if int(client.add(f"pulse/{r}", 0)) == before[r]]
 
     def can_grow(self) -> bool:
         """Whether warm spares wait while the group is smaller than the job's first generation (a store round trip

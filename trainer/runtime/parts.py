@@ -182,8 +182,7 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
 def _heartbeat(s: Setup, run: RunDir) -> Heartbeat:
     """This rank's hang watchdog; where the group can go on without a stuck rank, it has the store kill it (and
     counts there while it runs: a stopped rank is found without waiting for its files)."""
-    return Heartbeat(s.env, hang_folder(run, s), s.cfg.dist.heartbeat_s,
-                     kill=s.membership.have_killed if s.membership else None, pulse=s.membership)
+    return Heartbeat(s.env, hang_folder(run, s), s.cfg.dist.heartbeat_s, store=s.membership)
 
 
 def hang_folder(run: RunDir, s: Setup) -> Path:

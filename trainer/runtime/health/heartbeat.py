@@ -48,26 +48,31 @@ NCCL_DUMP_TIMEOUT_S = 5.0
 """How long a rank waits for NCCL's flight recorder dump before it reports without it."""
 
 
-class Pulse(Protocol):
-    """The job's store as the watchdog uses it (``trainer.core.regroup.Membership``)."""
+class JobStore(Protocol):
+    """The job's store as the watchdog uses it (``trainer.core.regroup.Membership``). Ranks go by their number as
+    started (``members``): a regroup may renumber the group while a report runs."""
+
+    def members(self) -> tuple[int, ...]:
+        """The current group's ranks, as started, in rank order."""
 
     def pulse(self) -> None:
         """Count once more for this process (from the pulse thread)."""
 
-    def still(self, wait_s: float) -> list[int]:
-        """The current group's ranks whose counts stood still for ``wait_s`` seconds: not running."""
+    def still(self, ranks: tuple[int, ...], wait_s: float) -> list[int]:
+        """Those of ``ranks`` whose counts stood still for ``wait_s`` seconds: not running."""
+
+    def have_killed(self, ranks: list[int]) -> None:
+        """Ask the store process to kill these ranks, stuck."""
 
 
 class Heartbeat:
     """This rank's heartbeat and the watchdog thread that reports when it stops."""
 
     def __init__(self, env: DistEnv, folder: Path, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, kill: Callable[[list[int]], None] | None = None,
-                 pulse: Pulse | None = None) -> None:
-        """``kill``: has the given ranks (of the current group) killed, where the others can go on without them;
-        ``pulse``: counts while this process runs, and tells which ranks stopped counting."""
-        self.env, self.folder, self.timeout_s, self.clock, self.kill = env, folder, timeout_s, clock, kill
-        self.pulse = pulse
+                 clock: Callable[[], float] = time.monotonic, store: JobStore | None = None) -> None:
+        """``store``: where the others can go on without stuck ranks, it has them killed; this process counts there
+        while it runs, and it tells which ranks stopped counting."""
+        self.env, self.folder, self.timeout_s, self.clock, self.store = env, folder, timeout_s, clock, store
         self.interval = min(1.0, timeout_s / 4)
         # A pulse per rank every 0.5-5 s: at 16,384 ranks and the default timeout, some 3,300 adds a second on the store.
         self.pulse_s = min(5.0, max(0.5, timeout_s / 12))
@@ -105,15 +110,16 @@ class Heartbeat:
             return
         self.last = self.clock()
         self._threads = [threading.Thread(target=self._watch, name="heartbeat-watchdog", daemon=True)]
-        if self.pulse is not None:
+        if self.store is not None:
             self._threads.append(threading.Thread(target=self._pulse, name="heartbeat-pulse", daemon=True))
         for thread in self._threads:
             thread.start()
 
     def stop(self) -> None:
-        """Disarm the watchdog (the loop is over; the final save and tracking upload may take long)."""
+        """Disarm the watchdog (the loop is over; the final save and tracking upload may take long). The pulse thread
+        ends by itself (it may wait on a store that is gone)."""
         self._stop.set()
-        for thread in self._threads:
+        for thread in self._threads[:1]:
             thread.join()
         self._threads = []
 
@@ -131,21 +137,24 @@ class Heartbeat:
     def _pulse(self) -> None:
         """Count in the store every ``pulse_s`` while this process runs (its own thread: the watchdog's may be busy
         reporting, and must still count)."""
-        assert self.pulse is not None
+        assert self.store is not None
         while not self._stop.wait(self.pulse_s):
             with contextlib.suppress(Exception):  # the store gone: the report still comes, after the grace
-                self.pulse.pulse()
+                self.store.pulse()
 
-    def _still(self) -> list[int]:
-        """The ranks whose pulse stood still (stopped, or holding the GIL); none without a pulse or a store."""
+    def _still(self, members: tuple[int, ...]) -> list[int]:
+        """The ranks (of the group of ``members``) whose pulse stood still: stopped, or holding the GIL; none without
+        a store, or when it does not answer."""
         try:
-            return self.pulse.still(max(2.0, 2.5 * self.pulse_s)) if self.pulse is not None else []
+            still = self.store.still(members, max(2.0, 2.5 * self.pulse_s)) if self.store is not None else []
         except Exception:  # noqa: BLE001 - no store to ask: the grace decides, as without one
             return []
+        return [members.index(r) for r in still]
 
     def _report(self, silent: float) -> None:
         """Write this rank's stacks and last beat; rank 0 writes the report. Then leave: the job is stuck."""
         rank, world, folder = self.env.rank, self.env.world_size, self.folder  # as the hang began (a regroup moves them)
+        members = self._members(world)
         grace = max(5.0, min(30.0, self.timeout_s))  # for the other ranks' files (their clocks run a bit apart)
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
@@ -159,16 +168,24 @@ class Heartbeat:
                     "nccl_trace": dump_nccl_trace(folder / f"nccl_trace_rank_{rank}.pkl")}
             # The .json marks the .txt as complete. No fsync: a dead file system must not hold up the report.
             write_json(folder / f"rank_{rank}.json", last, durable=False)
-        self._collect(folder, rank, world, grace, silent)
-        if self._went_on(folder, rank, world, grace):
+        self._collect(folder, rank, world, grace, silent, members)
+        if self._went_on(folder, rank, world, grace, members):
             return
         self._record_hang(folder, rank, world, silent)
         os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
 
-    def _collect(self, folder: Path, rank: int, world: int, grace: float, silent: float) -> None:
+    def _members(self, world: int) -> tuple[int, ...]:
+        """The group's ranks as started, as the hang began (none without a store, or once a regroup changed it)."""
+        with contextlib.suppress(Exception):
+            members = self.store.members() if self.store is not None else ()
+            return members if len(members) == world else ()
+        return ()
+
+    def _collect(self, folder: Path, rank: int, world: int, grace: float, silent: float,
+                 members: tuple[int, ...]) -> None:
         """Rank 0 waits up to ``grace`` for every running rank's files (not those whose pulse stood still: they
         will write none) and writes the report; the others wait for it, unless rank 0 is not running."""
-        still = self._still()
+        still = self._still(members) if members else []
         report = folder / "report.txt"
         deadline = time.monotonic() + grace
         if rank == 0:
@@ -185,16 +202,18 @@ class Heartbeat:
             print(f"rank {rank}: no progress for {silent:.0f} s and no report from rank 0; stacks in {folder}",
                   file=sys.stderr, flush=True)
 
-    def _went_on(self, folder: Path, rank: int, world: int, grace: float) -> bool:
-        """Where the others can go on without the stuck ranks (``kill``) and this rank (``rank`` of ``world`` when the
-        hang began) is not one: have them killed, and True once this rank's loop beats again (its collective failed,
-        it regrouped: its place and folder may have changed meanwhile). False: exit as before."""
-        if self.kill is not None and self.silent_for() is None:  # already going on: another rank had them killed
+    def _went_on(self, folder: Path, rank: int, world: int, grace: float, members: tuple[int, ...]) -> bool:
+        """Where the others can go on without the stuck ranks (a store, and ``members``: the group as the hang
+        began) and this rank (``rank`` of ``world`` then) is not one: have them killed, by their numbers as started,
+        and True once this rank's loop beats again (its collective failed, it regrouped: its place and folder may
+        have changed meanwhile). False: exit as before."""
+        if self.store is not None and self.silent_for() is None:  # already going on: another rank had them killed
             return True
         stuck, whole = stuck_now(_beats(folder), world)
-        if self.kill is None or whole or not stuck or rank in stuck:
+        if self.store is None or whole or not stuck or rank in stuck:
             return False
-        self.kill(stuck)
+        if members:  # else a regroup renumbered the group as the hang began: it is going on already
+            self.store.have_killed([members[r] for r in stuck])
         deadline = time.monotonic() + 2 * grace
         while time.monotonic() < deadline:
             if self.silent_for() is None:  # beating again: the group went on without them
