@@ -9,7 +9,7 @@ got further: the stuck ranks are the ones with the lowest ``seq``. Rank 0 collec
 flight recorder (its recent collectives) to ``nccl_trace_rank_<r>.pkl``: torch dumps it only on a collective
 timeout, which this exit comes before. A new attempt in the same run folder first moves an old ``hang/`` aside.
 
-Where the job's store runs apart (``kill``: the survivors can regroup), the ranks that wait do not exit: they have the
+Where the job's store runs apart (``store``: the survivors can regroup), the ranks that wait do not exit: they have the
 stuck ranks killed (the store does it, on their nodes) and go on once their collective fails, as after any lost rank;
 the stuck ranks exit as before. A rank whose watchdog cannot run (stopped, or holding the GIL) is killed all the same.
 There each rank also counts in the store while it runs (``pulse``, a thread of its own): a stopped rank's count stands
