@@ -128,6 +128,48 @@ def _beat(folder: Path, rank: int, seq: int, phase: str, step: int = 7) -> None:
     (folder / f"rank_{rank}.txt").write_text(f"stacks of rank {rank}\n")
 
 
+class RegroupingStore:
+    """The job's store as the watchdog sees it (heartbeat.JobStore), in memory: ranks as started are (0, spare
+    1000000, 2); origin 2 is stopped, and the others regroup without it while the report runs."""
+
+    def __init__(self, hb: list[Heartbeat]) -> None:
+        self.now: tuple[int, ...] = (0, 1_000_000, 2)
+        self.asked: list[list[int]] = []
+        self.hb = hb
+
+    def members(self) -> tuple[int, ...]:
+        return self.now
+
+    def pulse(self) -> None:
+        pass
+
+    def still(self, ranks: tuple[int, ...], wait_s: float) -> list[int]:
+        self.now = (0, 1_000_000)  # a regroup renumbers the group meanwhile
+        return [2]
+
+    def have_killed(self, ranks: list[int]) -> None:
+        self.asked.append(ranks)
+        self.hb[0].beat("step", 8)  # killed: the collective fails, the group goes on
+
+
+def test_a_stopped_rank_is_named_by_its_number_as_started_even_once_the_group_is_renumbered(tmp_path: Path) -> None:
+    """Rank 0 of three fires; rank 1 (a spare that took rank 1's place) wrote its files, rank 2 wrote none and its
+    pulse stood still: the report says it is not running, at once, and the kill names it by its number as started
+    (2), not by its rank in the group after the regroup (where a third place no longer exists)."""
+    clock, holder = Clock(), []
+    store = RegroupingStore(holder)
+    hb = Heartbeat(DistEnv(0, 0, 3, 1, 0, 3, "127.0.0.1", 29500, None, "slurm"), tmp_path, 6.0, clock=clock,
+                   store=store)
+    holder.append(hb)
+    hb.beat("backward (gradient all-reduce)", 7)
+    _beat(tmp_path, 1, hb.seq, "backward (gradient all-reduce)")
+    clock.now += 7
+    hb._report(7.0)  # returns: the group went on (no exit)
+    assert store.asked == [[2]]
+    assert "rank   2 ?      wrote nothing: not running (its pulse in the store stood still)" in \
+        (tmp_path / "report.txt").read_text()
+
+
 @pytest.mark.parametrize(("beats", "world", "expect"), [
     ({0: 40, 1: 38, 2: 40, 3: 38}, 4, "stuck rank(s): 1, 3 "),
     ({0: 40, 1: 40}, 2, "all 2 ranks stopped at the same point"),
