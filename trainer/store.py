@@ -84,8 +84,10 @@ def kill_stuck(store: Any, said: Iterable[bytes], asked: int, on_hung: Callable[
     """``on_hung`` for each rank asked to be killed since the first ``asked`` (``hung/<k>``) that is still connected
     (``said``: what each connection said); how many were dealt with so far. A request counted but not written yet
     is waited for (without blocking: the next call), unless a later one is written (its asker died in between)."""
-    live = {r: f for r, f, _ in map(hello, said) if r is not None}
     count = int(store.add("hung/count", 0))
+    if asked >= count:  # nothing asked (each round): the connections are read only when something is
+        return asked
+    live = {r: f for r, f, _ in map(hello, said) if r is not None}
     while asked < count:
         if not store.check([f"hung/{asked}"]):
             if not any(store.check([f"hung/{k}"]) for k in range(asked + 1, count)):

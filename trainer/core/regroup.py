@@ -112,12 +112,16 @@ def join(store: Any, generation: int, origin: int, known: Iterable[int], timeout
 
 def place_in(store: Any, generation: int, origin: int, timeout: float) -> Place:
     """``origin``'s place among ``generation``'s members, once they are decided."""
-    prefix = f"generation/{generation}"
-    store.wait([f"{prefix}/members"], timedelta(seconds=timeout))
-    members = tuple(int(r) for r in store.get(f"{prefix}/members").decode().split(",") if r)
+    store.wait([f"generation/{generation}/members"], timedelta(seconds=timeout))
+    members = members_of(store, generation)
     if origin not in members:
         raise RuntimeError(f"rank {origin} was left out of generation {generation} (members {list(members)})")
     return Place(generation, members.index(origin), len(members), members)
+
+
+def members_of(store: Any, generation: int) -> tuple[int, ...]:
+    """The members ``generation``'s first arrival decided (generation 1 on: 0 has no key), as started."""
+    return tuple(int(r) for r in store.get(f"generation/{generation}/members").decode().split(",") if r)
 
 
 def offer_spare(store: Any, origin: int) -> None:
@@ -219,9 +223,8 @@ class Membership:
         generation = self.place.generation
         if generation == 0:
             return []
-        before = self.store.get(f"generation/{generation - 1}/members").decode() if generation > 1 else ""
-        members = [int(r) for r in before.split(",") if r] if generation > 1 else list(range(self.size))
-        return [r for r in members if r not in self.place.members]
+        before = members_of(self.store, generation - 1) if generation > 1 else range(self.size)
+        return [r for r in before if r not in self.place.members]
 
     def lost(self, wait_s: float = 2.0) -> list[int]:
         """The current members the store marked lost (see ``lost_members``)."""

@@ -144,9 +144,11 @@ class Heartbeat:
 
     def _still(self, members: tuple[int, ...]) -> list[int]:
         """The ranks (of the group of ``members``) whose pulse stood still: stopped, or holding the GIL; none without
-        a store, or when it does not answer."""
+        a store or ``members``, or when the store does not answer."""
+        if self.store is None or not members:
+            return []
         try:
-            still = self.store.still(members, max(2.0, 2.5 * self.pulse_s)) if self.store is not None else []
+            still = self.store.still(members, max(2.0, 2.5 * self.pulse_s))
         except Exception:  # noqa: BLE001 - no store to ask: the grace decides, as without one
             return []
         return [members.index(r) for r in still]
@@ -185,7 +187,7 @@ class Heartbeat:
                  members: tuple[int, ...]) -> None:
         """Rank 0 waits up to ``grace`` for every running rank's files (not those whose pulse stood still: they
         will write none) and writes the report; the others wait for it, unless rank 0 is not running."""
-        still = self._still(members) if members else []
+        still = self._still(members)
         report = folder / "report.txt"
         deadline = time.monotonic() + grace
         if rank == 0:
