@@ -37,7 +37,10 @@ help:  ## list the targets
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	@# Byte-compiled on every core (pip compiles on one: half of its time here); a few files written for other Python
+	@# versions (torch's py312_*) do not compile, which pip ignores too.
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 
 venv: $(BIN)/.installed  ## create .venv with the project and its dev tools

@@ -15,6 +15,15 @@ PROJECT="$(cd "$HERE/.." && pwd)"
 # shellcheck disable=SC2034  # used by the scripts that source this one
 SUPERVISOR=(python3 "$HERE/daemons.py")  # which daemons of ours run, stopping them, their leftovers
 
+# This machine's Slurm version (major.minor): the one installed, else the one apt would install. dpkg first: apt-cache
+# parses every package list (about a second of CPU), and this runs on every call of the scripts.
+host_slurm() {
+    local v
+    v="$(dpkg-query -W -f='${Status} ${Version}\n' slurm-wlm 2>/dev/null | awk '$3 == "installed" { print $4 }')"
+    [[ -n "$v" ]] || v="$(apt-cache show slurm-wlm 2>/dev/null | awk '/^Version:/ { print $2; exit }')"
+    grep -oE '^[0-9]+\.[0-9]+' <<<"$v" || true
+}
+
 # The version asked for (SLURM, else the one recorded in an existing state folder): sets SLURM_VERSION and
 # ROOT_SUITE (empty: this machine's own Slurm). An unknown version is refused with the ones offered (exit 2).
 # shellcheck disable=SC2034  # SLURM_VERSION and ROOT_SUITE are dev-cluster.sh's
@@ -26,7 +35,7 @@ resolve_version() {
         echo "HINT: make dev-cluster SLURM=24.11 (or leave SLURM out for this machine's own Slurm)" >&2
         exit 2
     fi
-    host="$(apt-cache show slurm-wlm 2>/dev/null | awk '/^Version:/ { print $2; exit }' | grep -oE '^[0-9]+\.[0-9]+' || true)"
+    host="$(host_slurm)"
     SLURM_VERSION="${asked:-$host}"
     ROOT_SUITE=""  # read by dev-cluster.sh
     if [[ -n "$asked" && "$asked" != "$host" ]]; then
