@@ -67,6 +67,7 @@ class _Workers:
         self.start = time.monotonic()
         self.seconds: dict[str, dict[str, float]] = {}
         self.last: dict[str, float] = {}
+        self.cluster_files: dict[str, float] = {}
 
     def add(self, report: pytest.TestReport) -> None:
         worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
@@ -75,6 +76,9 @@ class _Workers:
         group = _group_of(report.nodeid)
         by_group = self.seconds.setdefault(worker, {})
         by_group[group] = by_group.get(group, 0.0) + report.duration
+        if group != "other":
+            path = report.nodeid.split("::")[0]
+            self.cluster_files[path] = self.cluster_files.get(path, 0.0) + report.duration
         self.last[worker] = time.monotonic() - self.start
 
     def lines(self) -> list[str]:
@@ -84,6 +88,9 @@ class _Workers:
             shown = ", ".join(f"{g} {s:.0f} s" for g, s in groups[:3])
             out.append(f"{worker}: last result at {self.last[worker]:.0f} s, {sum(s for _, s in groups):.0f} s in "
                        f"tests ({shown})")
+        if self.cluster_files:  # what CLUSTER_SECONDS should say
+            files = sorted(self.cluster_files.items(), key=lambda kv: -kv[1])
+            out.append("the dev-cluster files' seconds: " + ", ".join(f'"{f}": {s:.0f}' for f, s in files))
         return out
 
 
