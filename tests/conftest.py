@@ -314,16 +314,15 @@ IMAGE_TIMEOUT = 1200
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
-    "tests/test_healing.py": 1210, "tests/test_slurm.py": 480, "tests/test_regroup_cluster.py": 350,
-    "tests/test_slurm_commands.py": 320, "tests/test_audit_cluster.py": 220, "tests/test_docker.py": 195,
-    "tests/test_runs_cluster.py": 195, "tests/test_shards_cluster.py": 145, "tests/test_apptainer.py": 125,
-    "tests/test_sweep_cluster.py": 125, "tests/test_doctor.py": 105, "tests/test_leftovers.py": 80,
-    "tests/test_gpu_layouts.py": 50, "tests/test_pyxis.py": 0,  # skipped: no pyxis in CI
+    "tests/test_healing.py": 1580, "tests/test_slurm_commands.py": 480, "tests/test_slurm.py": 413,
+    "tests/test_regroup_cluster.py": 238, "tests/test_sweep_cluster.py": 197, "tests/test_docker.py": 162,
+    "tests/test_audit_cluster.py": 159, "tests/test_apptainer.py": 152, "tests/test_runs_cluster.py": 123,
+    "tests/test_shards_cluster.py": 116, "tests/test_leftovers.py": 74, "tests/test_doctor.py": 62,
+    "tests/test_gpu_layouts.py": 30, "tests/test_pyxis.py": 2,  # skipped: no pyxis in CI
 }
-"""Seconds each file's cluster tests take in CI (.ci/run, 2 cores), to share the files out so the clusters finish
-together; a file not listed counts 40 s a test. Only the balance depends on them. 2026-11-28: the lanes' totals of a
-run (2066 s and 1556 s) shared out by the slowest tests' durations; CI now prints each file's seconds (the line
-after the xdist workers' line), to copy here."""
+"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-28, the line CI prints after the xdist
+workers' line), to share the files out so the clusters finish together; a file not listed counts 40 s a test. Only
+the balance depends on them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
