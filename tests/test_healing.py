@@ -19,7 +19,7 @@ import pytest
 from benchmarks.common import processes
 
 from .conftest import ROOT, SMALL, faults, go, held
-from .test_slurm import cluster_cmd, idle, job_id_of, job_state, reference, sh, slurm_env, wait_for
+from .test_slurm import cluster_cmd, idle, job_id_of, job_runs, job_state, reference, sh, slurm_env, wait_for
 
 __all__ = ["reference", "slurm_env"]  # the fixtures, shared with test_slurm
 
@@ -102,7 +102,7 @@ def test_a_bug_in_user_code_fails_once_naming_file_and_line(slurm_env: dict[str,
     assert result["where"].startswith(str(ROOT / "tests" / "scripts" / "faulty_model.py:")), result
     assert "rank 1" in result["cause"] and "not retried" in result["reason"]
     job = job_id_of(proc.stdout)
-    attempts = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    attempts = job_runs(job, slurm_env)
     assert attempts == ["FAILED"], attempts
 
 
@@ -252,7 +252,7 @@ def test_a_spare_node_takes_over_inside_the_allocation_from_node_memory(slurm_en
     ends = events(run, "attempt_end")
     assert [(e["attempt"], e["decision"]) for e in ends] == [("0", "restart_here"), ("0.1", "done")], ends
     assert ends[0]["blamed"] == [node]
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs  # one run of the job: no requeue
     assert excluded(job, env) == "(null)"
     second = events(run, "attempt")[1]

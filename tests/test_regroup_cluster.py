@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import faults, go, held
 from .test_healing import SLOW, events, finished, kill_rank, submit
-from .test_slurm import sh, slurm_env, wait_for
+from .test_slurm import job_runs, sh, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture
 
@@ -41,7 +41,7 @@ def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env
     [end] = events(run, "attempt_end")
     assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"] and end["blamed"] == [node], end
     assert node in json.loads((tmp_path / "suspects.json").read_text())  # evidence against the node, kept
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs  # one run of the job, one attempt: no requeue, no restart
     starts = [(e["attempt"], e.get("regroup", False), e["nodes"]) for e in events(run, "attempt")]
     assert starts == [("0", False, 3), ("0.1", True, 2)], starts  # the recovery: the next attempt, on two nodes
@@ -73,7 +73,7 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     starts = [(e["attempt"], e.get("regroup"), e.get("grew")) for e in events(run, "attempt")]
     assert starts == [("0", None, None), ("0.1", True, None), ("0.2", None, True)], starts
     assert f"rank 2 lost on {node}" in (run / "store.log").read_text()
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs
     print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up)")
 
@@ -95,7 +95,7 @@ def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: di
     [end] = events(run, "attempt_end")
     assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"] and end["blamed"] == [node], end
     assert f"rank 2 on {node}" in (run / "store.log").read_text() and "is stuck" in (run / "store.log").read_text()
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs
 
 
@@ -119,7 +119,7 @@ def test_a_warm_spare_on_the_spare_node_takes_the_killed_ranks_place(slurm_env: 
     assert regroup["members"][1] >= 1_000_000, regroup  # the spare, by its own number
     [end] = events(run, "attempt_end")
     assert end["class"] == "finished" and f"rank 1 on {node} lost" in end["cause"], end
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs
     first_step = next(e["t"] for e in events(run, "first_step") if e["t"] > killed_at)
     print(f"kill → first step with the warm spare: {first_step - killed_at:.2f} s (no process started)")
@@ -147,5 +147,5 @@ def test_spares_that_took_both_first_ranks_places_finish_the_attempt(slurm_env: 
     assert [e.get("attempt") for e in events(run, "job_start") if "attempt" in e] == ["0"]  # no restart
     [end] = events(run, "attempt_end")
     assert end["class"] == "finished" and "rank 0 on" in end["cause"] and "rank 1 on" in end["cause"], end
-    runs = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+    runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs

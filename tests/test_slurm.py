@@ -66,6 +66,11 @@ def idle(env: dict[str, str], nodes: int, timeout: float = 180) -> None:
     wait_for(lambda: count() >= nodes, timeout, f"{nodes} idle nodes")
 
 
+def job_runs(job: str, env: dict[str, str]) -> list[str]:
+    """The state of each of the job's runs, the first first (a requeue starts a run: sacct --duplicates)."""
+    return sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], env).stdout.split()
+
+
 def job_state(job: str, env: dict[str, str]) -> str:
     lines = sh(["sacct", "-j", job, "-X", "-n", "-P", "--format=State"], env).stdout.strip().splitlines()
     return lines[-1].split()[0] if lines else ""  # "CANCELLED by 0" → "CANCELLED"
@@ -150,7 +155,7 @@ def test_a_preempted_job_saves_requeues_and_every_tool_sees_one_run_of_two_attem
     result = json.loads((run / "result.json").read_text())
     assert Path(result["resumed_from"]).name == "step_00000010.pt", result
     assert result["param_checksums"] == [reference, reference]
-    restarts = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    restarts = job_runs(job, slurm_env)
     assert len(restarts) == 2, restarts  # one requeue: the first attempt, then the finished one
     script = sh(["scontrol", "write", "batch_script", job, "-"], slurm_env).stdout
     asked = "--requeue=expedite" in script or "'requeue': 'expedite'" in script or "--requeue=expedite" in proc.stdout

@@ -15,7 +15,7 @@ from trainer.runtime.records.attempts import attempts, figures
 
 from .conftest import ROOT, faults, held, ok, result_of, run_trainer
 from .test_session import CHAR_LM, last_weights, same
-from .test_slurm import cluster_cmd, job_id_of, job_state, sh, slurm_env, wait_for
+from .test_slurm import cluster_cmd, job_id_of, job_runs, job_state, sh, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture, used by name
 
@@ -74,7 +74,7 @@ def test_the_char_lm_submitted_as_a_command_survives_two_preemptions_bit_identic
                  what=f"requeue {attempt + 1}")
     wait_for(lambda: (run / "result.json").exists(), timeout=240, what="the third attempt to finish")
     wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=60, what="COMPLETED")
-    states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    states = job_runs(job, slurm_env)
     assert len(states) == 3, states  # two requeues: three attempts
     assert _log_count(log, "resumed from") == 2
     # The run report: 3 attempts in order; a signal's save keeps every step (no lost work); goodput below 1 and as
@@ -107,7 +107,7 @@ def test_a_failing_command_fails_the_job_without_a_requeue_and_shows_its_log(
     assert "marker-31" in proc.stdout + proc.stderr  # the log's last lines, shown by --wait
     job = job_id_of(proc.stdout)
     wait_for(lambda: job_state(job, slurm_env) == "FAILED", timeout=60, what="FAILED")
-    states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    states = job_runs(job, slurm_env)
     assert states == ["FAILED"], states
 
 
@@ -164,5 +164,5 @@ def test_requeue_on_signal_requeues_a_command_that_ignores_the_warning(
     wait_for(lambda: job_state(job, slurm_env) == "COMPLETED", timeout=180, what="the requeued attempt to finish")
     # The warning alone stopped nothing: the wrapper did, once the grace (24 s less 20 for the exit) had passed.
     assert said("trainer.launch: still running 4 s after SIGUSR2: stopping it for a requeue"), logs
-    states = sh(["sacct", "-j", job, "-X", "-n", "-P", "--duplicates", "--format=State"], slurm_env).stdout.split()
+    states = job_runs(job, slurm_env)
     assert len(states) == 2 and said("attempt 2: started"), states
