@@ -32,7 +32,7 @@ WARMUP = 10
 VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile")
 
 
-def _variant(variant: str, res: int, batch: int, device: torch.device) -> Any:
+def _variant(variant: str, res: int, batch: int, device: torch.device, warmup: int = WARMUP) -> Any:
     """One variant's step function, warmed up (compilation, autotuning, the allocator's first sizes)."""
     import torchvision
 
@@ -54,7 +54,7 @@ def _variant(variant: str, res: int, batch: int, device: torch.device) -> Any:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         step()
     return step
 
@@ -66,21 +66,24 @@ def precision_rows(repeats: int, smoke: bool) -> list[dict[str, Any]] | dict[str
         return {"skipped": "no GPU on this machine"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
+    # A smoke run on the CPU only checks the path: one warm-up step and one burst of one step per variant (the full
+    # counts took 50 CPU-seconds of bf16 resnet18 steps, a third of the test suite's benchmark run).
+    warmup, rounds, burst = (1, 1, 1) if smoke else (WARMUP, max(3, repeats * 2), 5)
     for res, batch in ((32, 256), (224, 64)) if not smoke else ((32, 4),):
         variants = [v for v in VARIANTS if not (smoke and "compile" in v)]
-        steps = {v: _variant(v, res, batch, device) for v in variants}
+        steps = {v: _variant(v, res, batch, device, warmup) for v in variants}
         rates: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(max(3, repeats * 2)):
+        for _ in range(rounds):
             for v in variants:
                 _sync(device)
                 t = time.perf_counter()
-                for _ in range(5):
+                for _ in range(burst):
                     steps[v]()
                 _sync(device)
-                rates[v].append(5 * batch / (time.perf_counter() - t))
+                rates[v].append(burst * batch / (time.perf_counter() - t))
         for v in variants:
             vs_fp32 = [a / b for a, b in zip(rates[v], rates["fp32"], strict=True)]
-            rows.append({"resolution": res, "batch": batch, "variant": v, "device": device.type, "warmup": WARMUP,
+            rows.append({"resolution": res, "batch": batch, "variant": v, "device": device.type, "warmup": warmup,
                          "samples_per_s": statistics.median(rates[v]), "vs_fp32": spread(vs_fp32)})
         del steps
     return rows

@@ -13,9 +13,8 @@ import pytest
 
 from cluster.job import ledger
 
-from .conftest import ROOT, faults, held
+from .conftest import ROOT, SMALL, faults, held
 from .test_slurm import sh, slurm_env, wait_for
-from .test_sweep_cluster import ARGS
 
 __all__ = ["slurm_env"]  # the fixture, imported for the tests below
 
@@ -72,7 +71,7 @@ def start_all(env: dict[str, str], cwd: Path) -> tuple[str, str, str]:
     b = submitted(tool(["submit", "--nodes", "1", "--launcher", "sbatch", *cmd],
                        {**env, **faults(at={"0": {"wait_at_step": 5}})}, cwd))
     spec = {"name": "s", "profile": {"nodes": 1}, "max_parallel": 1, "method": "grid", "metric": "test_accuracy",
-            "mode": "max", "args": [*ARGS, "tracking.mode=disabled"], "parameters": {"optim.lr": [0.05, 0.1]}}
+            "mode": "max", "args": SMALL, "parameters": {"optim.lr": [0.05, 0.1]}}  # small: only its rows count
     (cwd / "spec.yaml").write_text(json.dumps(spec))
     tool(["sweep", "spec.yaml"], env, cwd)
     (cwd / "run.sbatch").write_text(tool(["render", "--cluster", "dev", "--command"], env, cwd))
