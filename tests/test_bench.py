@@ -13,9 +13,9 @@ import pytest
 from .conftest import ROOT, clean_env
 
 
-@pytest.mark.timeout(900)  # 2 min alone (155 CPU seconds), 11 min beside the rest of CI on 2 cores
+@pytest.mark.timeout(900)  # 1 min alone (89 CPU seconds), 7 min beside the rest of CI on 2 cores
 @pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get("TRAINER_TEST_BENCH") != "1",
-                    reason="the benchmark script's smoke run (155 CPU seconds alone, 2 min): CI runs it; "
+                    reason="the benchmark script's smoke run (89 CPU seconds alone, 1 min): CI runs it; "
                            "here TRAINER_TEST_BENCH=1 make test")
 def test_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
