@@ -13,7 +13,7 @@ import pytest
 from .conftest import ROOT, clean_env
 
 
-@pytest.mark.timeout(900)  # 1 min alone (89 CPU seconds), 7 min beside the rest of CI on 2 cores
+@pytest.mark.timeout(900)  # 1 min alone (89 CPU seconds), 6 min beside the rest of CI on 2 cores
 @pytest.mark.skipif(os.environ.get("CI") != "true" and os.environ.get("TRAINER_TEST_BENCH") != "1",
                     reason="the benchmark script's smoke run (89 CPU seconds alone, 1 min): CI runs it; "
                            "here TRAINER_TEST_BENCH=1 make test")
