@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,24 @@ from .test_slurm import job_runs, sh, slurm_env, wait_for
 __all__ = ["slurm_env"]  # the fixture
 
 
+def held_job(env: dict[str, str], tmp_path: Path, sets: list[str], ranks: int,
+             args: Sequence[str] = ()) -> tuple[Path, dict[str, str], str]:
+    """A job of SLOW training (and ``args``) with ``regroup=true`` and the profile ``sets``, submitted with ``env`` (its
+    test faults) and a suspects list of its own, once its ``ranks`` ranks hold; its run folder, environment and id."""
+    run = tmp_path / "run"
+    env = {**env, "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
+    job = submit(env, "sbatch", [*SLOW, *args, f"run.dir={run}"], [*sets, "regroup=true"])
+    held(run, ranks=ranks)
+    return run, env, job
+
+
 @pytest.mark.slurm_compat  # what srun --kill-on-bad-exit=0 keeps, and how it reports the loss, on each version
 def test_a_killed_rank_is_lost_without_a_restart_when_the_job_regroups(slurm_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     """regroup: true on three nodes: rank 2 SIGKILLed from outside while the ranks are held after step 5. srun keeps
     the step, the two others regroup on the job's store in their own processes and finish the run on two nodes; the
     verdict calls the attempt finished, naming the lost rank's node, and nothing is requeued or restarted."""
-    run = tmp_path / "run"
-    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["nodes=3", "regroup=true"])
-    held(run, ranks=3)
+    run, env, job = held_job({**slurm_env, **faults(at={"0": {"wait_at_step": 4}})}, tmp_path, ["nodes=3"], 3)
     node, killed_at = kill_rank(job, 2, 0), time.time()
     go(run)
     result = finished(run, job, env)
@@ -57,11 +66,8 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     """regroup: true on three nodes, no spare node: rank 2 SIGKILLed from outside (its node lives). The two others go
     on at once; the job's store starts a warm spare on that node (--on-lost: srun --overlap), which the group takes in
     at a step boundary: the job finishes on three processes, in one attempt of Slurm's, the replicas equal."""
-    run = tmp_path / "run"
-    env = {**slurm_env, **faults(step_delay_s=0.25, at={"0": {"wait_at_step": 4}}),  # 75 steps after the kill: room
-           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, "train.epochs=8", f"run.dir={run}"], ["nodes=3", "regroup=true"])
-    held(run, ranks=3)
+    slowed = faults(step_delay_s=0.25, at={"0": {"wait_at_step": 4}})  # 75 steps after the kill: room to grow back
+    run, env, job = held_job({**slurm_env, **slowed}, tmp_path, ["nodes=3"], 3, ["train.epochs=8"])
     node = kill_rank(job, 2, 0)
     go(run)
     result = finished(run, job, env)
@@ -82,10 +88,8 @@ def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: di
     """regroup: true on three nodes: rank 2 SIGSTOPped from outside (a hang its own watchdog cannot report). The
     others' watchdogs find it stuck, the job's store kills it on its node (srun --overlap kill), and the two go on in
     place: the job finishes in one attempt, the verdict blaming the stuck rank's node."""
-    run = tmp_path / "run"
-    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, "dist.heartbeat_timeout_s=4", f"run.dir={run}"], ["nodes=3", "regroup=true"])
-    held(run, ranks=3)
+    run, env, job = held_job({**slurm_env, **faults(at={"0": {"wait_at_step": 4}})}, tmp_path, ["nodes=3"], 3,
+                             ["dist.heartbeat_timeout_s=4"])
     node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
     go(run)
     result = finished(run, job, env)
@@ -105,10 +109,7 @@ def test_a_warm_spare_on_the_spare_node_takes_the_killed_ranks_place(slurm_env: 
     """regroup: true with a spare node: a process waits on the third node (TRAINER_SPARE) while two train; rank 1
     SIGKILLed from outside after step 5: the spare takes its place, the job finishes on two processes in one
     attempt, and the replicas agree."""
-    run = tmp_path / "run"
-    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["spare_nodes=1", "regroup=true"])
-    held(run, ranks=2)
+    run, env, job = held_job({**slurm_env, **faults(at={"0": {"wait_at_step": 4}})}, tmp_path, ["spare_nodes=1"], 2)
     node, killed_at = kill_rank(job, 1, 0), time.time()
     go(run)
     result = finished(run, job, env)
@@ -131,11 +132,8 @@ def test_spares_that_took_both_first_ranks_places_finish_the_attempt(slurm_env: 
     (rank 1's node still runs: a replacement started there may take it). srun's training step then has no task
     left, yet spares train on: the batch script waits while the store counts them, and the job finishes in its first
     attempt, without a restart."""
-    run = tmp_path / "run"
-    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 4, "step_delay_s": 0.4}}),
-           "TRAINER_SUSPECTS": str(tmp_path / "suspects.json")}
-    job = submit(env, "sbatch", [*SLOW, "train.epochs=3", f"run.dir={run}"], ["spare_nodes=1", "regroup=true"])
-    held(run, ranks=2)
+    slowed = faults(at={"0": {"wait_at_step": 4, "step_delay_s": 0.4}})
+    run, env, job = held_job({**slurm_env, **slowed}, tmp_path, ["spare_nodes=1"], 2, ["train.epochs=3"])
     kill_rank(job, 1, 0)
     go(run)
     wait_for(lambda: events(run, "regroup"), timeout=120, what="the spare to take rank 1's place")
