@@ -5,7 +5,8 @@ documented ``except RuntimeError → sess.regroup`` pattern, a global batch, a c
 machine, rank 1 SIGKILLed from outside after step 12. Measured: the kill to the end of the first step after it, from
 the run's events. The paths, interleaved run by run: in place on the two survivors, in place with a warm spare that
 waited at the store (``TRAINER_SPARE``), and the restart every other path takes (the survivors fail, and three new
-processes resume from the last checkpoint, as a restart in the allocation would: no Slurm here).
+processes resume from the last checkpoint, as a restart in the allocation would: no Slurm here). Each under DDP and
+under FSDP2 (``STRATEGIES``; a snapshot in node memory every 5 steps as well, which a sharded model goes back to).
 
 The building block (``PATHS``): the store in a process of its own (``python -m trainer.store``), three ranks of
 ``tests/scripts/regroup_rank.py`` all-reducing in a loop on one machine, and one rank SIGKILLed from outside once
@@ -37,6 +38,8 @@ SCRIPT = ROOT / "tests" / "scripts" / "regroup_rank.py"
 LOOP = ROOT / "tests" / "scripts" / "elastic_loop.py"
 SESSION = ("in place", "warm spare", "restart")
 """The session's paths (see the module docstring)."""
+STRATEGIES = ("ddp", "fsdp")
+"""The session's strategies: DDP (the survivors hold the state) and FSDP2 (the lost shard comes from a snapshot)."""
 PATHS = {"shrink": (0, 0), "spare": (1, 1)}
 """Each path's (rank killed, spares waiting)."""
 
@@ -70,26 +73,29 @@ def one_run(path: str, folder: Path) -> dict[str, Any]:
             "regrouped_s": [m["regrouped_s"] for m in members if m["origin"] < 3]}
 
 
-def _rank(run: Path, rank: int, port: int, extra: dict[str, str]) -> subprocess.Popen[str]:
-    """One process of the elastic loop, as srun starts one (``rank`` -1: a warm spare)."""
-    env = {**clean_env(), "RANK": str(max(rank, 0)), "LOCAL_RANK": str(max(rank, 0)), "WORLD_SIZE": "3",
-           "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
+def _rank(run: Path, rank: int, port: int, extra: dict[str, str], strategy: str) -> subprocess.Popen[str]:
+    """One process of the elastic loop, as srun starts one (``rank`` -1: a warm spare, in the lost rank 1's slot of
+    the machine: a spare node would have its own)."""
+    env = {**clean_env(), "RANK": str(max(rank, 0)), "LOCAL_RANK": str(rank if rank >= 0 else 1), "WORLD_SIZE": "3",
+           "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TRAINER_MEMORY_DIR": str(run.parent / "shm"), **extra}
     if rank < 0:
         env["TRAINER_SPARE"] = "0"
+    sharded = ["dist.strategy=fsdp", "checkpoint.memory=on", "checkpoint.memory_every_steps=5"]
     args = ["tracking.mode=disabled", "run.report=false", "train.device=cpu", "checkpoint.every_steps=5",
-            f"run.dir={run}", "--pace", "0.05", "--stop", "40"]
+            *(sharded if strategy == "fsdp" else []), f"run.dir={run}", "--pace", "0.05", "--stop", "40"]
     return subprocess.Popen([sys.executable, str(LOOP), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def session_run(path: str, folder: Path, port: int) -> dict[str, Any]:
+def session_run(path: str, folder: Path, port: int, strategy: str = "ddp") -> dict[str, Any]:
     """One job of a session path: rank 1 killed after step 12; the kill to the end of the first step after it."""
     folder.mkdir(parents=True)
     run, store, extra = folder / "run", None, {}
     if path != "restart":
         store, (first, presence) = start_store(folder / "port", env=clean_env(), cwd=ROOT)
         extra = {"TRAINER_STORE": f"127.0.0.1:{first}:{presence}"}
-    procs = [_rank(run, r, port, extra) for r in ([0, 1, 2, -1] if path == "warm spare" else [0, 1, 2])]
+    procs = [_rank(run, r, port, extra, strategy) for r in ([0, 1, 2, -1] if path == "warm spare" else [0, 1, 2])]
     try:
         spare = _client(extra) if path == "warm spare" else None  # killed only once the spare waits
         while not (run / "trace.jsonl").exists() or len((run / "trace.jsonl").read_text().splitlines()) < 12 or \
@@ -103,7 +109,7 @@ def session_run(path: str, folder: Path, port: int) -> dict[str, Any]:
         for p in rest:
             p.communicate(timeout=300)
         if path == "restart":  # every process anew, from the last checkpoint
-            again = [_rank(run, r, port + 1, {}) for r in range(3)]
+            again = [_rank(run, r, port + 1, {}, strategy) for r in range(3)]
             for p in again:
                 p.communicate(timeout=300)
     finally:
@@ -119,13 +125,16 @@ def session_run(path: str, folder: Path, port: int) -> dict[str, Any]:
         raise RuntimeError(f"the {path} run has no step after the kill: {[e['event'] for e in events]}")
     first_step = min(after)
     regroup = [e for e in events if e["event"] == "regroup"]
-    return {"path": path, "kill_to_first_step_s": first_step - killed_at,
+    resumed = [e for e in events if e["event"] == "attempt" and e["t"] > killed_at]
+    return {"path": path, "strategy": strategy, "kill_to_first_step_s": first_step - killed_at,
             "regroup_s": regroup[0]["total_s"] if regroup else None,
+            "again": regroup[0].get("again", 0) if regroup else (12 - resumed[0]["resumed_step"] if resumed else None),
             "finished": (run / "result.json").exists()}
 
 
-def _paired(runs: list[dict[str, Any]], slow: str, fast: str) -> list[float]:
+def _paired(runs: list[dict[str, Any]], slow: str, fast: str, strategy: str = "ddp") -> list[float]:
     """``slow``'s time ÷ ``fast``'s within each repeat (the runs in measure's order: every path once per repeat)."""
+    runs = [x for x in runs if x.get("strategy", "ddp") == strategy]
     per = len(SESSION)
     repeats = [runs[i:i + per] for i in range(0, len(runs) - per + 1, per)]
     times = [{x["path"]: x["kill_to_first_step_s"] for x in r} for r in repeats]
@@ -144,7 +153,8 @@ def measure(repeats: int, tmp: Path) -> dict[str, Any]:
     runs = [one_run(path, tmp / f"{path}-{i}") for i in range(repeats) for path in
             (PATHS if i % 2 == 0 else reversed(PATHS))]
     base = 20000 + os.getpid() % 5000
-    session = [session_run(path, tmp / f"session-{i}-{j}", base + 10 * (3 * i + j)) for i in range(repeats)
+    session = [session_run(path, tmp / f"session-{i}-{k}-{j}", base + 10 * (6 * i + 3 * k + j), strategy)
+               for i in range(repeats) for k, strategy in enumerate(STRATEGIES)
                for j, path in enumerate(SESSION if i % 2 == 0 else reversed(SESSION))]
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats, "runs": runs,
             "session": session, "command": f"python -m benchmarks.regroup --repeats {repeats}"}
@@ -174,26 +184,33 @@ def session_section(runs: list[dict[str, Any]]) -> list[str]:
     """Section 14's table of the session's paths (none: nothing)."""
     if not runs:
         return []
-    out = ["The session, end to end (`Session.regroup` in an own loop, tests/scripts/elastic_loop.py: DDP, a global "
-            "batch, a checkpoint every 5 steps): three processes on one machine, rank 1 SIGKILLed from outside after "
-            "step 12. Seconds from the kill to the end of the first step after it (its `first_step` event), median "
-            "(min–max), the paths interleaved; the regroup's own time is its `regroup` event's `total_s` (the group "
-            "left, the new one made, DDP made again, the step agreed, the state sent to a spare, the parts rebuilt).",
-            "", "| path | processes after | kill → first step done (s) | the regroup itself (ms) | finished |",
-            "|---|---|---|---|---|"]
-    for path in SESSION:
-        rows = [x for x in runs if x["path"] == path]
-        if not rows:
-            continue
-        kill = spread([x["kill_to_first_step_s"] for x in rows])
-        took = show(spread([1000 * x["regroup_s"] for x in rows]), "{:.0f}") if rows[0]["regroup_s"] else "–"
-        after = {"in place": 2, "warm spare": 3, "restart": 3}[path]
-        out.append(f"| {path} | {after} | {show(kill, '{:.2f}')} | {took} | "
-                   f"{sum(x['finished'] for x in rows)} of {len(rows)} |")
-    ratios = _paired(runs, "restart", "in place")
-    if ratios:
-        out += ["", f"Restart ÷ in place, paired run by run (each repeat runs every path once): "
-                    f"{show(spread(ratios), '{:.0f}')}×."]
+    out = ["The session, end to end (`Session.regroup` in an own loop, tests/scripts/elastic_loop.py: a global "
+            "batch, a checkpoint every 5 steps; under FSDP2 a snapshot in node memory every 5 steps too): three "
+            "processes on one machine, rank 1 SIGKILLed from outside after step 12. Seconds from the kill to the end of "
+            "the first step after it (its `first_step` event), median (min–max), the paths interleaved; the regroup's "
+            "own time is its `regroup` event's `total_s` (DDP: the group left, the new one made, DDP made again, the "
+            "step agreed, the state sent to a spare, the parts rebuilt; FSDP2: FSDP taken off the model, the new group, "
+            "the model sharded on it, the snapshot loaded). *Steps again*: steps trained before the kill that are "
+            "trained again (the restart's and FSDP2's go back to the newest save or snapshot).",
+            "", "| strategy | path | processes after | kill → first step done (s) | the regroup itself (ms) | steps "
+            "again | finished |", "|---|---|---|---|---|---|---|"]
+    for strategy in STRATEGIES:
+        for path in SESSION:
+            rows = [x for x in runs if x["path"] == path and x.get("strategy", "ddp") == strategy]
+            if not rows:
+                continue
+            kill = spread([x["kill_to_first_step_s"] for x in rows])
+            took = show(spread([1000 * x["regroup_s"] for x in rows]), "{:.0f}") if rows[0]["regroup_s"] else "–"
+            again = [x["again"] for x in rows if x.get("again") is not None]
+            after = {"in place": 2, "warm spare": 3, "restart": 3}[path]
+            out.append(f"| {strategy} | {path} | {after} | {show(kill, '{:.2f}')} | {took} | "
+                       f"{show(spread(again), '{:.0f}') if again else '–'} | {sum(x['finished'] for x in rows)} of "
+                       f"{len(rows)} |")
+    for strategy in STRATEGIES:
+        ratios = _paired(runs, "restart", "in place", strategy)
+        if ratios:
+            out += ["", f"{strategy}: restart ÷ in place, paired run by run (each repeat runs every path once): "
+                        f"{show(spread(ratios), '{:.0f}')}×."]
     out += ["", "The restart here is the cheapest one there is (no Slurm, no queue, the processes on the same machine, "
             "the checkpoint on a local disk): its time is detection, new interpreters importing torch and the loop, "
             "a new group and the restore. On the dev cluster, the built-in trainer's jobs with `regroup: true` side by "

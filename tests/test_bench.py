@@ -109,13 +109,16 @@ def test_the_regroup_section_shows_each_paths_times_in_milliseconds() -> None:
     assert "| shrink | 0 | 2 | 72 (70–75) | 21 (12–30) |" in text
     assert "| spare | 1 | 3 | 100 (100–100) | 55 (50–60) |" in text
     assert "| path | processes after |" not in text  # no session runs: no table for them
-    session = [{"path": "in place", "kill_to_first_step_s": 0.12, "regroup_s": 0.02, "finished": True},
+    session = [{"path": "in place", "kill_to_first_step_s": 0.12, "regroup_s": 0.02, "finished": True},  # before fsdp
                {"path": "restart", "kill_to_first_step_s": 4.5, "regroup_s": None, "finished": True},
-               {"path": "restart", "kill_to_first_step_s": 5.5, "regroup_s": None, "finished": False}]
+               {"path": "restart", "kill_to_first_step_s": 5.5, "regroup_s": None, "finished": False},
+               {"path": "in place", "strategy": "fsdp", "kill_to_first_step_s": 0.3, "regroup_s": 0.15, "again": 2,
+                "finished": True}]
     text = "\n".join(regroup.section({"machine": {"cpu": "cpu", "cores": 2}, "date": "2026-11-27", "runs": runs,
                                       "session": session, "command": "python -m benchmarks.regroup --repeats 2"}))
-    assert "| in place | 2 | 0.12 (0.12–0.12) | 20 (20–20) | 1 of 1 |" in text
-    assert "| restart | 3 | 5.00 (4.50–5.50) | – | 1 of 2 |" in text and "| warm spare |" not in text
+    assert "| ddp | in place | 2 | 0.12 (0.12–0.12) | 20 (20–20) | – | 1 of 1 |" in text
+    assert "| ddp | restart | 3 | 5.00 (4.50–5.50) | – | – | 1 of 2 |" in text and "| warm spare |" not in text
+    assert "| fsdp | in place | 2 | 0.30 (0.30–0.30) | 150 (150–150) | 2 (2–2) | 1 of 1 |" in text
 
 
 def _rec(decision: str, total: float, **phases: float) -> dict[str, object]:

@@ -54,6 +54,14 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class Reloaded:
+    """What a sharded model's regroup loaded: the new group's snapshots (opened to load from) and the restore."""
+
+    snapshots: Snapshots | None
+    resumption: Resumption
+
+
+@dataclass(frozen=True)
 class Group:
     """The parts that hold the process group: the audits and the save policy, whose poll agrees across the ranks."""
 
@@ -125,10 +133,11 @@ def _saves(s: Setup, run: RunDir, group: Group, heartbeat: Heartbeat, events: Ev
 
 
 def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[str, Any], step: int,
-                    config: dict[str, Any], wrapper: nn.Module | None = None) -> Parts:
+                    config: dict[str, Any], wrapper: nn.Module | None = None, reloaded: Reloaded | None = None) -> Parts:
     """Collective, after a regroup (``s.env``: this rank's new place): the parts that hold the group, or that only
     rank 0 has, made again from ``step`` on. The run folder, the restore and the hang watchdog stay; a rank that
-    becomes rank 0 opens the event log and the tracker (the run's W&B id is in its folder)."""
+    becomes rank 0 opens the event log and the tracker (the run's W&B id is in its folder). ``reloaded``: the
+    snapshots a sharded model's regroup opened already."""
     env = s.env
     p.group.audit.close()
     try:  # a background save of the old group: finished, or failed with it (the newest complete one stands)
@@ -142,7 +151,9 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
         tracker.start(config, p.restored.run_id)
     tracker.moved(env)
     snapshots = p.snapshots
-    if snapshots:
+    if reloaded:
+        snapshots = _emitting(reloaded.snapshots, events)
+    elif snapshots:
         snapshots.close(finished=False)
         snapshots = Snapshots.open(s.cfg, env, s.job, run.path, s.sharded, model, events.emit)
     group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
@@ -164,19 +175,27 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
 
 
 def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict[str, Any], step: int,
-                 wrapper: nn.Module | None = None) -> Parts:
+                 wrapper: nn.Module | None = None, reloaded: Reloaded | None = None) -> Parts:
     """Collective, on a warm spare that took a lost rank's place (``run_dir``: the survivors' run folder): its parts
-    from ``step`` on, made as the survivors make theirs again (``regrouped_parts``); nothing is restored."""
+    from ``step`` on, made as the survivors make theirs again (``regrouped_parts``; ``reloaded`` as there)."""
     env, cfg = s.env, s.cfg
     run, events = RunDir(run_dir, env), EventLog(run_dir if env.is_main else None)
     heartbeat = _heartbeat(s, run)
     tracker = Tracker(cfg, env, s.job, run.path)
-    snapshots = Snapshots.open(cfg, env, s.job, run.path, s.sharded, model, events.emit)
+    snapshots = (_emitting(reloaded.snapshots, events) if reloaded else
+                 Snapshots.open(cfg, env, s.job, run.path, s.sharded, model, events.emit))
     group = open_group(s, run, model, objects, step, events, snapshots, wrapper)
     restored = Resumption(step=step)
     saves = _saves(s, run, group, heartbeat, events, restored, model)
     return Parts(run, events, heartbeat, Reports(run.path, env, s.job.pruning), snapshots, restored, tracker, group, saves,
                  failures_before(s, run.path))
+
+
+def _emitting(snapshots: Snapshots | None, events: EventLog) -> Snapshots | None:
+    """Snapshots opened before the group's event log was: they report to it now."""
+    if snapshots is not None:
+        snapshots.emit = events.emit
+    return snapshots
 
 
 def _heartbeat(s: Setup, run: RunDir) -> Heartbeat:

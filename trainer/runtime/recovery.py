@@ -35,9 +35,11 @@ from trainer.core.exits import SPARE_BASE
 from trainer.core.regroup import Membership, Place, RegroupFailed, SpareReleased
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
-from trainer.runtime import ddp_group
+from trainer.runtime import ddp_group, fsdp_group
 from trainer.runtime.buckets import prime_when_resumed
-from trainer.runtime.parts import Parts, Setup, joined_parts, regrouped_parts
+from trainer.runtime.parts import Parts, Reloaded, Setup, joined_parts, regrouped_parts
+from trainer.runtime.saving.restore import resume
+from trainer.runtime.saving.snapshots import Snapshots
 
 
 def join(env: DistEnv, cfg: Config, device: torch.device, job: JobInfo) -> tuple[int, Membership | None, DistEnv]:
@@ -125,9 +127,34 @@ def take_over(s: Setup, model: nn.Module | None, objects: dict[str, Any],
     step, state, loader positions and run folder (their side is ``recover``), and this process's parts. Returns (the
     step to go on from, the parts, the marks)."""
     marks = Marks(objects, -1)
+    if s.cfg.dist.strategy == "fsdp":  # the survivors' side is ``rejoin_sharded``
+        run_dir, nodes = meet(s.env, "")
+        s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
+        reloaded = reload(s, Path(run_dir), model, objects)
+        marks.done = marks.current = step = reloaded.resumption.step
+        return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper, reloaded), marks
     step, _, run_dir, nodes = agree(marks, s.env)
     s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
     return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper), marks
+
+
+def meet(env: DistEnv, run_dir: str) -> tuple[str, int]:
+    """Collective in a new group: the run folder (``run_dir``: this member's, empty for a spare) and the number of
+    nodes the group is on."""
+    said = tdist.gather((exits.node_name(), run_dir))
+    return next(r for _, r in said if r), len({h for h, _ in said})
+
+
+def reload(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict[str, Any]) -> Reloaded:
+    """Collective, once a sharded model is sharded on the new group (``s.env``): the newest snapshot its nodes hold
+    together (else the newest checkpoint) loaded into ``objects``; RuntimeError when there is none yet."""
+    for loader in (o for o in objects.values() if isinstance(o, Loader)):  # the new split; the position comes next
+        loader.reshape(s.env, loader.state_dict())
+    snapshots = Snapshots.open(s.cfg, s.env, s.job, run_dir, s.sharded, model, lambda *_, **__: None)
+    restored = resume(s.cfg, s.env, run_dir, snapshots, objects, model, s.say)
+    if restored.resumed is None:
+        raise RuntimeError("no snapshot in node memory and no checkpoint holds the lost rank's shard yet")
+    return Reloaded(snapshots, restored)
 
 
 def let_go(exc: BaseException) -> None:
@@ -171,6 +198,39 @@ def rejoin(exc: BaseException, membership: Membership, env: DistEnv, model: nn.M
     return env, step, exact, {"abort_s": round(left - began, 3), "rendezvous_s": round(joined - left, 3)}
 
 
+def rejoin_sharded(exc: BaseException, membership: Membership, s: Setup, parts: Parts, model: nn.Module | None,
+                   marks: Marks, objects: dict[str, Any], loaders: list[Loader | DataLoader[Any]],
+                   ) -> tuple[DistEnv, int, Reloaded, dict[str, float]]:
+    """``rejoin`` for a sharded model: FSDP2 taken off it (``fsdp_group``), the next group made, the same modules
+    sharded on it and the newest snapshot or checkpoint loaded (``reload``). Returns (this rank's new place, the step
+    to go on from, what was loaded, the seconds as ``rejoin``'s)."""
+    if model is None:
+        raise RuntimeError("no model was wrapped (Session.wrap)")
+    began = time.monotonic()
+    let_go(exc)
+    try:  # a background save of the old group: finished, or failed with it
+        parts.saves.checkpointer.wait()
+    except (RuntimeError, OSError) as err:
+        s.say(f"note: a background save did not finish before the regroup: {err}")
+    optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+    released = fsdp_group.release(model, optimizers, s.device)  # nothing holds the failed group's meshes now
+    if parts.snapshots:
+        parts.snapshots.close(finished=False)
+    membership.leave()
+    left = time.monotonic()
+    env = tdist.regroup(membership, s.env)
+    joined = time.monotonic()
+    fsdp_group.remake(released)
+    run_dir, nodes = meet(env, str(parts.run.path))
+    env = dataclasses.replace(env, num_nodes=nodes)
+    reloaded = reload(dataclasses.replace(s, env=env), Path(run_dir), model, objects)
+    marks.done = marks.current = step = reloaded.resumption.step
+    for loader in loaders:
+        if not isinstance(loader, Loader):
+            reshard(loader, env)
+    return env, step, reloaded, {"abort_s": round(left - began, 3), "rendezvous_s": round(joined - left, 3)}
+
+
 def within_budget(lost: list[int], membership: Membership, s: Setup, failures: int) -> None:
     """RegroupFailed when one more recovery would pass ``max_failures`` (TRAINER_MAX_FAILURES): ``failures`` the job
     had before this attempt, and its generations that began with a loss. Every survivor decides alike (the store's
@@ -193,13 +253,16 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
         within_budget(lost, membership, s, parts.failures)
     else:  # growing: the group is whole, and a background save may still use it
         parts.saves.checkpointer.wait()
-    lost_at = membership.lost_at(lost)
+    lost_at, held, reloaded = membership.lost_at(lost), marks.done, None
     try:
-        if s.cfg.dist.strategy == "fsdp":  # the lost rank's shard is gone: a restart reads the checkpoint
-            raise NotImplementedError("a sharded model (dist.strategy=fsdp) regroups through a restart")
-        env, step, exact, times = rejoin(exc, membership, s.env, model, wrapper, marks, loaders, str(parts.run.path))
+        if s.cfg.dist.strategy == "fsdp":
+            env, step, reloaded, times = rejoin_sharded(exc, membership, s, parts, model, marks, objects, loaders)
+            exact = True  # as a restart from that snapshot: the steps since it run again
+        else:
+            env, step, exact, times = rejoin(exc, membership, s.env, model, wrapper, marks, loaders,
+                                             str(parts.run.path))
         s = dataclasses.replace(s, env=env, say=lambda msg: tdist.say(env, msg))  # rank 0 may have moved
-        parts = regrouped_parts(parts, s, model, objects, step, config, wrapper)
+        parts = regrouped_parts(parts, s, model, objects, step, config, wrapper, reloaded)
     except Exception as err:  # noqa: BLE001 - any of it: the attempt ends, the restart path takes over
         first = (str(err).strip().splitlines() or [""])[0][:200]
         what = f"{exits.names(lost)} lost and the others" if lost else "the group"
@@ -210,27 +273,33 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
     phases: dict[str, float | None] = {
         **times, "detection_s": round(max(0.0, noticed - lost_at), 3) if lost_at else None,
         "transfer_s": round(max(0.0, total - times["abort_s"] - times["rendezvous_s"]), 3)}
-    announce(parts.events.emit, s, membership.place, lost, was, step, exact, phases, total, lost_at or noticed)
+    again = (max(0, held - step), reloaded.resumption.facts["restored_from"]) if reloaded else None
+    announce(parts.events.emit, s, membership.place, lost, was, step, exact, phases, total, lost_at or noticed, again)
     return env, step, parts
 
 
 def announce(emit: Callable[..., None], s: Setup, place: Place, lost: list[int], was: int, step: int, exact: bool,
-             times: dict[str, float | None], total_s: float, lost_at: float) -> None:
+             times: dict[str, float | None], total_s: float, lost_at: float, again: tuple[int, str] | None = None,
+             ) -> None:
     """On the new rank 0 (a survivor: the members are the survivors first, then the spares): the recovery as the next
     attempt of the job (``attempt`` event: ``0`` → ``0.1``, with ``regroup``), its ``regroup`` event (the first
-    generation's ranks lost, the new members, the breakdown by phase) and one line."""
+    generation's ranks lost, the new members, the breakdown by phase) and one line. ``again``: a sharded model's
+    steps run again since what it loaded, and from where (memory, disk)."""
     env = s.env
     why = {"regroup": True} if lost else {"grew": True}  # a loss counts against max_failures; growing back does not
     emit("attempt", durable=True, started=round(lost_at, 3), job_id=env.job_id, restart=s.job.restart_count,
          attempt=exits.later_attempt(exits.attempt_id(), place.generation), within=exits.attempt_id(), **why,
          nodes=env.num_nodes, processes=env.world_size, resumed_step=step, strategy=s.cfg.dist.strategy)
     emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
-         world_size=place.world_size, was=was, exact=exact, **times, total_s=round(total_s, 3))
+         world_size=place.world_size, was=was, exact=exact, **times, total_s=round(total_s, 3),
+         **({"again": again[0], "restored_from": again[1]} if again else {}))
     if not lost:
         s.say(f"grew back: warm spares joined, {was} → {place.world_size} processes go on from step {step} in "
               f"{total_s:.2f} s")
         return
     went = "a warm spare took the place: " if place.world_size >= was else ""
     size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
+    source = {"memory": "a snapshot in node memory", "disk": "the checkpoint"}.get(again[1], "") if again else ""
+    redo = f" ({again[0]} step(s) again: the lost shard came from {source})" if again else ""
     s.say(f"regrouped: {exits.names(lost)} lost; {went}{size} go on from step {step} in "
-          f"{total_s:.2f} s")
+          f"{total_s:.2f} s{redo}")

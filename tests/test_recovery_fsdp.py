@@ -1,0 +1,150 @@
+"""A sharded model (``dist.strategy=fsdp``) goes on in place too: the lost rank's shard exists only in a snapshot in
+node memory, so the survivors take FSDP2 off the model (trainer/runtime/fsdp_group.py), form the next group, shard the
+same modules on it and load the newest snapshot, in their own processes. The result equals a restart from a
+checkpoint at that step, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import warm
+from trainer.core.exits import SPARE_BASE
+
+from .conftest import clean_env, outputs, spawn_ranks
+from .test_recovery import COMMON, LOOP, _events, _kill_when, _ranks, _stepped, _store, _trace
+
+SHARDED = [*COMMON, "dist.strategy=fsdp", "checkpoint.memory=on", "checkpoint.memory_every_steps=3"]
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "final.pt", weights_only=True)
+
+
+def _same_as_restart(run: Path, ref: Path, tmp: Path, k: int, world: int) -> None:
+    """``run`` equals a run saved at step ``k`` on three processes and resumed from that checkpoint on ``world``:
+    every step's samples, and the final weights bit for bit."""
+    _ranks(["dist.strategy=fsdp", f"run.dir={ref}", "--stop", str(k)], tmp, 3)
+    _ranks(["dist.strategy=fsdp", f"run.dir={ref}"], tmp, world)
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)  # each step's samples, the redone ones too
+    a, b = _final(ref), _final(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize(("lost", "source", "said"), [
+    (0, "memory", "a snapshot in node memory"),  # rank 0, the event log's writer
+    (2, "disk", "the checkpoint"),  # no snapshots: the newest durable checkpoint, read in the same processes
+])
+def test_a_sharded_models_survivors_go_on_from_the_newest_snapshot(tmp_path: Path, lost: int, source: str,
+                                                                   said: str) -> None:
+    """Rank 0 or the last rank SIGKILLed after step 8: the two others load the snapshot (or checkpoint) of step 6
+    (every 3 steps) onto two processes, run the steps since it again, and end as a restart from a checkpoint at that
+    step would."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    args = SHARDED if source == "memory" else [*COMMON, "dist.strategy=fsdp", "checkpoint.every_steps=3"]
+    with _store(tmp_path) as env:
+        env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
+        procs = spawn_ranks([*args, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
+        outs = _kill_when(procs, lost, _stepped(run, 8))
+    [regroup] = _events(run, "regroup")
+    k = regroup["step"]
+    assert (regroup["lost"], regroup["world_size"], regroup["restored_from"]) == ([lost], 2, source), regroup
+    assert k % 3 == 0 and k >= 6 and regroup["again"] >= 2, regroup  # a snapshot's step, then the steps since it
+    assert f"go on from step {k}" in outs[0] and f"the lost shard came from {said}" in outs[0], outs[0]
+    assert not any("is still held" in o for o in outs), outs  # FSDP's meshes let the failed group go
+    assert json.loads((run / "result.json").read_text())["global_step"] == 30
+    _same_as_restart(run, ref, tmp_path, k, 2)
+
+
+def test_with_nothing_to_go_back_to_a_sharded_models_attempt_ends(tmp_path: Path) -> None:
+    """Lost before the first snapshot and with no checkpoint: the lost shard exists nowhere, so the survivors end the
+    attempt (RegroupFailed, naming why) and the restart path takes over."""
+    run = tmp_path / "run"
+    with _store(tmp_path) as env:
+        env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
+        procs = spawn_ranks([*SHARDED[:-1], "checkpoint.memory_every_steps=100", f"run.dir={run}", "--pace", "0.05"],
+                            tmp_path, 3, env, script=LOOP)
+        try:
+            deadline, ready = time.monotonic() + 180, _stepped(run, 3)
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            outs = outputs([procs[0], procs[2]], timeout=180)
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode not in (0, None) for p in (procs[0], procs[2])), "\n".join(outs)
+    assert all("rank 1 lost and the others could not go on in place (RuntimeError: no snapshot in node memory and "
+               "no checkpoint holds the lost rank's shard yet): the attempt ends" in o for o in outs), outs
+    assert not _events(run, "regroup")
+
+
+def test_a_warm_spare_takes_a_sharded_ranks_place(tmp_path: Path) -> None:
+    """Three ranks and a warm spare; rank 1 SIGKILLed: the spare shards the model on the new group of three, and all
+    three load the newest snapshot (the spare's shard of it too, from the node that holds it)."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    with _store(tmp_path) as env:
+        env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
+        procs = spawn_ranks([*SHARDED, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
+        # On one machine the spare stands in the lost rank's slot of the node (a spare node would have its own):
+        # two processes with local rank 0 would both write the node's snapshot folder.
+        spare_env = {"RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
+        spare = warm.Popen([sys.executable, str(LOOP), *SHARDED, f"run.dir={run}", "--pace", "0.05"], cwd=tmp_path,
+                           env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        host, port, _ = env["TRAINER_STORE"].split(":")
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        waiting = _stepped(run, 8)
+        outs = _kill_when([*procs, spare], 1, lambda: waiting() and int(client.add("spares/count", 0)) == 1)
+    [regroup] = _events(run, "regroup")
+    assert (regroup["lost"], regroup["members"], regroup["world_size"]) == ([1], [0, 2, SPARE_BASE], 3), regroup
+    assert "a warm spare took the place: 3 processes go on" in outs[0]
+    _same_as_restart(run, ref, tmp_path, regroup["step"], 3)
+
+
+def test_the_fsdp_adapter_takes_fully_shard_off_and_lets_the_group_go(tmp_path: Path) -> None:
+    """trainer/runtime/fsdp_group.py uses FSDP2's state (hooks, param groups, meshes, the composable registry):
+    pinned here on a one-process gloo group. After ``release`` nothing holds the old group, the module is its own
+    class again with full-size parameters, and after ``remake`` on a new group it trains with its optimizer."""
+    import gc
+    import weakref
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.runtime import fsdp_group
+    from trainer.runtime.fsdp import shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    model = shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), "fp32", False)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    old = weakref.ref(dist.group.WORLD)
+    released = fsdp_group.release(model, [opt], torch.device("cpu"))
+    assert not isinstance(model, FSDPModule) and type(model) is torch.nn.Sequential
+    assert [p.shape for p in model.parameters()] == [(4, 4), (4,), (4, 4), (4,)] and not opt.state
+    dist.destroy_process_group()
+    gc.collect()
+    assert old() is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        fsdp_group.remake(released)
+        assert isinstance(model, FSDPModule) and opt.param_groups[0]["params"] == list(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        assert len(opt.state) == 4
+    finally:
+        dist.destroy_process_group()
