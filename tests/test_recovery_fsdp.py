@@ -53,7 +53,8 @@ def test_a_sharded_models_survivors_go_on_from_the_newest_snapshot(tmp_path: Pat
     (every 3 steps) onto two processes, run the steps since it again, and end as a restart from a checkpoint at that
     step would."""
     run, ref = tmp_path / "run", tmp_path / "ref"
-    args = SHARDED if source == "memory" else [*COMMON, "dist.strategy=fsdp", "checkpoint.every_steps=3"]
+    args = SHARDED if source == "memory" else [*COMMON, "dist.strategy=fsdp", "checkpoint.memory=off",
+                                               "checkpoint.every_steps=3"]
     with _store(tmp_path) as env:
         env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
         procs = spawn_ranks([*args, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
@@ -148,3 +149,42 @@ def test_the_fsdp_adapter_takes_fully_shard_off_and_lets_the_group_go(tmp_path: 
         assert len(opt.state) == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_group_that_went_on_smaller_grows_back(tmp_path: Path) -> None:
+    """Rank 2 SIGKILLed after step 8: two go on from the newest snapshot. A warm spare started after that is taken in
+    at the next poll: the group snapshots that very step, and the three load it on the new group (no step again). The
+    run ends as one saved at each change of size and resumed on the new one would, bit for bit."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    with _store(tmp_path) as env:
+        env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
+        procs = spawn_ranks([*SHARDED, f"run.dir={run}", "--pace", "0.3"], tmp_path, 3, env, script=LOOP)
+        spare_env = {"RANK": "0", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",  # the lost one's slot
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
+        try:
+            deadline, ready = time.monotonic() + 180, _stepped(run, 8)
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.killpg(procs[2].pid, signal.SIGKILL)
+            while not ((run / "events.jsonl").exists() and _events(run, "regroup")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            procs[2] = warm.Popen([sys.executable, str(LOOP), *SHARDED, f"run.dir={run}"], cwd=tmp_path,
+                                  env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            outs = outputs(procs, timeout=180)
+        finally:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)
+    shrink, grow = _events(run, "regroup")
+    k, j = shrink["step"], grow["step"]
+    assert (grow["lost"], grow["was"], grow["world_size"], grow["again"]) == ([], 2, 3, 0), grow
+    assert f"grew back: warm spares joined, 2 → 3 processes go on from step {j}" in outs[0]
+    _ranks(["dist.strategy=fsdp", f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)
+    _ranks(["dist.strategy=fsdp", f"run.dir={ref}", "--stop", str(j)], tmp_path, 2)
+    _ranks(["dist.strategy=fsdp", f"run.dir={ref}"], tmp_path, 3)
+    steps = _trace(run)
+    assert sorted(steps) == list(range(1, 31)) and steps == _trace(ref)
+    assert {w for s, (w, _) in steps.items() if s > j} == {3}
+    a, b = _final(ref), _final(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

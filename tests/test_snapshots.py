@@ -114,3 +114,21 @@ def test_a_snapshot_that_cannot_be_written_is_a_warning_not_a_lost_run(tmp_path:
     proc = ok(run_trainer([*ARGS, f"run.dir={tmp_path / 'run'}"], tmp_path, env={"TRAINER_MEMORY_DIR": str(blocked)}))
     assert proc.stdout.count("warning: memory snapshots stop") == 1, proc.stdout
     assert result_of(tmp_path / "run")["outcome"] == "finished"
+
+
+@pytest.mark.parametrize(("memory", "environ", "strategy", "taken"), [
+    ("auto", {}, "fsdp", False),                                          # a job that cannot restart in place
+    ("auto", {"TRAINER_IN_PLACE": "1"}, "ddp", True),                     # spares or a node range
+    ("auto", {"TRAINER_STORE": "n1:29400:29401"}, "ddp", False),          # DDP regroups from the survivors' memory
+    ("auto", {"TRAINER_STORE": "n1:29400:29401"}, "fsdp", True),          # the lost shard exists nowhere else
+    ("off", {"TRAINER_STORE": "n1:29400:29401"}, "fsdp", False),          # off is off: a regroup reads the checkpoint
+    ("on", {}, "ddp", True),
+])
+def test_auto_snapshots_where_a_restart_or_a_sharded_regroup_reads_them(memory: str, environ: dict[str, str],
+                                                                         strategy: str, taken: bool) -> None:
+    from trainer.core.config import load
+    from trainer.core.env import job_info
+    from trainer.runtime.saving.snapshots import wanted
+
+    cfg = load([f"checkpoint.memory={memory}", f"dist.strategy={strategy}"])
+    assert wanted(cfg, job_info(environ)) is taken

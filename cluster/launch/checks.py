@@ -38,7 +38,8 @@ def trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
 def snapshot_room(p: Profile, cfg: Config, params: int | None) -> None:
     """Memory snapshots that the nodes' /dev/shm (by default half their memory) cannot hold: refused with the
     figures when asked for (checkpoint.memory=on), one note for auto; nothing when sinfo or the model cannot say."""
-    wanted = cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and p.in_place)
+    in_place = p.in_place or (p.regroup and cfg.dist.strategy == "fsdp")  # as the runtime decides (snapshots.wanted)
+    wanted = cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and in_place)
     mem = nodes.memory_mb(p.partition) if wanted and params else None
     if not mem or not params:
         return

@@ -151,7 +151,8 @@ class CheckpointConfig:
     step, loadable onto any number of processes), or auto (dcp with dist.strategy=fsdp, else file)."""
     memory: str = "auto"
     """Snapshots in node memory between saves, restored by a restart in the allocation without reading the shared file
-    system: on, off, or auto (on when the job restarts in place, spare nodes or a node range)."""
+    system: on, off, or auto (on when the job restarts in place, spare nodes or a node range, or regroups a sharded
+    model in place: the lost shard comes from them)."""
     memory_every_steps: int = 0
     """Steps between memory snapshots; 0: chosen from their measured stall, as checkpoint.cadence=auto does."""
 

@@ -68,7 +68,7 @@ class Group:
     audit: Audit
     policy: SavePolicy
     growth: Growth | None = None
-    """Whether to grow back at this step (a group that can regroup, and is not sharded)."""
+    """Whether to grow back at this step (a group that can regroup: a sharded one with memory snapshots)."""
 
     def grow_if_due(self, step: int, busy: bool) -> None:
         """After the poll at ``step``: ``Grow`` when the ranks agreed to grow back, unless they save or stop now
@@ -168,7 +168,8 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
     """Collective: the audits from ``step`` on, and the save policy whose poll also agrees the snapshots' interval
     and the straggler meter's times."""
     audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say, wrapper)
-    growth = Growth(s.membership) if s.membership and s.cfg.dist.strategy != "fsdp" else None
+    sharded = s.cfg.dist.strategy == "fsdp"  # a sharded group grows back through a snapshot of the step it grows at
+    growth = Growth(s.membership) if s.membership and (snapshots or not sharded) else None
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
                          s.job.end_time, parts=(snapshots, audit.meter, growth))
     return Group(audit, policy, growth)

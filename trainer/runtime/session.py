@@ -168,8 +168,7 @@ class Session:
         return no_sync(model, skip)
 
     def eval_batches(self, loader: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        """An evaluation loader's batches as ``(batch, counts)``. Sharded models gather parameters in every forward,
-        so every rank must run as many: a rank whose shard ran out repeats its last batch with ``counts`` False."""
+        """An evaluation loader's batches as ``(batch, counts)``; sharded, every rank runs as many (runtime/fsdp.py)."""
         return eval_batches(self.model, loader, self.device)
 
     def loader(self, dataset: Dataset[Any], batch_size: int, global_batch_size: int | None = None,
@@ -201,8 +200,8 @@ class Session:
         self.extra_config.update(facts)
 
     def restore(self, **objects: Any) -> int:
-        """Open the run folder; load the newest complete checkpoint into ``objects`` (anything with state_dict and
-        load_state_dict, a dict, or a PerRank); return the step to continue from (0 on a fresh run)."""
+        """Open the run folder, load the newest complete checkpoint into ``objects`` (state_dict holders, dicts, a
+        PerRank) and return the step to continue from (0 on a fresh run)."""
         check_names(objects)
         self.objects, setup = objects, self._setup()
         if self.job.spare is not None and self.membership:  # a spare taking a lost rank's place: from the others
@@ -226,7 +225,6 @@ class Session:
         self.marks = Marks(objects, self.step) if self.membership else None
         return self.step
 
-    # ---- the loop ----------------------------------------------------------------------------
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Steps ``start + 1`` … ``stop``, with hang watching from the first one on."""
         _opened(self.parts)
@@ -247,15 +245,17 @@ class Session:
                      self.membership)
 
     def regroup(self, exc: BaseException) -> int:
-        """Call it from the loop's ``except RuntimeError as exc:`` around ``steps``. A peer lost (the job's store,
-        TRAINER_STORE, says so) or warm spares come to a smaller group (``Grow``): the members form a new group and go
-        on in this process from the newest step they hold, returned (continue ``steps`` from it). Else: raised again."""
+        """From the loop's ``except RuntimeError as exc:`` around ``steps``: a peer lost (TRAINER_STORE's store says so)
+        or warm spares come (``Grow``): the members form a new group and go on here from the step returned (continue
+        ``steps`` from it; a sharded model's is its newest snapshot's). Else: raised again."""
         m, p, grow = self.membership, _opened(self.parts), isinstance(exc, Grow)
         if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (grow or (lost := m.lost())):
             raise exc
-        config = {**self.config_dict, **self.extra_config}
+        if grow and p.snapshots and self.cfg.dist.strategy == "fsdp":  # nothing lost: it loads this very step's
+            p.snapshots.take(*self._state(self.step), self.step)
         self.env, self.step, self.parts = recover(exc, [] if grow else lost, m, self._setup(), p, self.model,
-                                                  self.wrapper, self.marks, self.loaders, self.objects, config)
+                                                  self.wrapper, self.marks, self.loaders, self.objects,
+                                                  {**self.config_dict, **self.extra_config})
         self.events = self.parts.events
         return self.step
 

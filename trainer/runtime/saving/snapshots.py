@@ -30,8 +30,10 @@ MAX_OVERHEAD = 0.02
 
 
 def wanted(cfg: Config, job: JobInfo) -> bool:
-    """Whether this run takes memory snapshots: ``on``, or ``auto`` in a job that restarts in place."""
-    return cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and job.in_place)
+    """Whether this run takes memory snapshots: ``on``, or ``auto`` in a job that restarts in place, or that regroups
+    a sharded model in place (the lost rank's shard exists nowhere else)."""
+    regroups_sharded = job.store is not None and cfg.dist.strategy == "fsdp"
+    return cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and (job.in_place or regroups_sharded))
 
 
 def interval_steps(stall_s: float, step_s: float, mtbf_s: float) -> int:
