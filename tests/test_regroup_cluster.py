@@ -85,17 +85,19 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
 
 
 def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: dict[str, str], tmp_path: Path) -> None:
-    """regroup: true on three nodes: rank 2 SIGSTOPped from outside (a hang its own watchdog cannot report). The
-    others' watchdogs find it stuck, the job's store kills it on its node (srun --overlap kill), and the two go on in
-    place: the job finishes in one attempt, the verdict blaming the stuck rank's node."""
+    """regroup: true on three nodes, the model sharded (dist.strategy=fsdp): rank 2 SIGSTOPped from outside (a hang
+    its own watchdog cannot report). The others' watchdogs find it stuck, the job's store kills it on its node (srun
+    --overlap kill), and the two go on in place from the newest snapshot in their nodes' memory (the stopped rank's
+    shard: its partner node's copy, or its own node's folder): the job finishes in one attempt, the verdict blaming
+    the stuck rank's node."""
     run, env, job = held_job({**slurm_env, **faults(at={"0": {"wait_at_step": 4}})}, tmp_path, ["nodes=3"], 3,
-                             ["dist.heartbeat_timeout_s=4"])
+                             ["dist.heartbeat_timeout_s=4", "dist.strategy=fsdp", "checkpoint.memory_every_steps=2"])
     node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
     go(run)
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
     [regroup] = events(run, "regroup")
-    assert regroup["lost"] == [2], regroup
+    assert (regroup["lost"], regroup["step"], regroup["restored_from"]) == ([2], 4, "memory"), regroup
     [end] = events(run, "attempt_end")
     assert end["class"] == "finished" and f"rank 2 on {node} lost" in end["cause"] and end["blamed"] == [node], end
     assert f"rank 2 on {node}" in (run / "store.log").read_text() and "is stuck" in (run / "store.log").read_text()
