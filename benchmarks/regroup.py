@@ -6,7 +6,7 @@ machine, rank 1 SIGKILLed from outside after step 12. Measured: the kill to the 
 the run's events. The paths, interleaved run by run: in place on the two survivors, in place with a warm spare that
 waited at the store (``TRAINER_SPARE``), and the restart every other path takes (the survivors fail, and three new
 processes resume from the last checkpoint, as a restart in the allocation would: no Slurm here). Each under DDP and
-under FSDP2 (``STRATEGIES``; a snapshot in node memory every 5 steps as well, which a sharded model goes back to).
+under FSDP2 (``STRATEGIES``; a snapshot in node memory every 11 steps as well, which a sharded model goes back to).
 
 The building block (``PATHS``): the store in a process of its own (``python -m trainer.store``), three ranks of
 ``tests/scripts/regroup_rank.py`` all-reducing in a loop on one machine, and one rank SIGKILLed from outside once
@@ -81,7 +81,9 @@ def _rank(run: Path, rank: int, port: int, extra: dict[str, str], strategy: str)
            "TRAINER_MEMORY_DIR": str(run.parent / "shm"), **extra}
     if rank < 0:
         env["TRAINER_SPARE"] = "0"
-    sharded = ["dist.strategy=fsdp", "checkpoint.memory=on", "checkpoint.memory_every_steps=5"]
+    # Snapshots every 11 steps: step 11's lies between the checkpoints of steps 10 and 15 (a step with a checkpoint
+    # takes no snapshot), so the sharded regroup after step 12 has one newer than the checkpoint to go back to.
+    sharded = ["dist.strategy=fsdp", "checkpoint.memory=on", "checkpoint.memory_every_steps=11"]
     args = ["tracking.mode=disabled", "run.report=false", "train.device=cpu", "checkpoint.every_steps=5",
             *(sharded if strategy == "fsdp" else []), f"run.dir={run}", "--pace", "0.05", "--stop", "40"]
     return subprocess.Popen([sys.executable, str(LOOP), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -185,13 +187,14 @@ def session_section(runs: list[dict[str, Any]]) -> list[str]:
     if not runs:
         return []
     out = ["The session, end to end (`Session.regroup` in an own loop, tests/scripts/elastic_loop.py: a global "
-            "batch, a checkpoint every 5 steps; under FSDP2 a snapshot in node memory every 5 steps too): three "
+            "batch, a checkpoint every 5 steps; under FSDP2 a snapshot in node memory every 11 steps too): three "
             "processes on one machine, rank 1 SIGKILLed from outside after step 12. Seconds from the kill to the end of "
             "the first step after it (its `first_step` event), median (min–max), the paths interleaved; the regroup's "
             "own time is its `regroup` event's `total_s` (DDP: the group left, the new one made, DDP made again, the "
             "step agreed, the state sent to a spare, the parts rebuilt; FSDP2: FSDP taken off the model, the new group, "
-            "the model sharded on it, the snapshot loaded). *Steps again*: steps trained before the kill that are "
-            "trained again (the restart's and FSDP2's go back to the newest save or snapshot).",
+            "the model sharded on it, step 11's snapshot loaded from node memory). *Steps again*: steps trained before "
+            "the kill that are trained again (each path goes back to the newest of step 10's checkpoint and, under FSDP2, "
+            "step 11's snapshot; DDP in place to none).",
             "", "| strategy | path | processes after | kill → first step done (s) | the regroup itself (ms) | steps "
             "again | finished |", "|---|---|---|---|---|---|---|"]
     for strategy in STRATEGIES:
