@@ -135,8 +135,10 @@ def test_a_sharded_checkpoint_resumes_onto_another_number_of_processes(tmp_path:
 
 
 def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: Path) -> None:
+    """In bf16: the final evaluation leaves the root's bf16 parameters gathered, and the hash still reads the fp32
+    weights the checkpoint holds."""
     run, out = tmp_path / "run", tmp_path / "model.pt"
-    ok(run_trainer([*BUILTIN, f"run.dir={run}"], tmp_path, nproc=2))
+    ok(run_trainer([*BUILTIN, f"run.dir={run}", "train.precision=bf16"], tmp_path, nproc=2))
     proc = warm.run([sys.executable, "-m", "trainer.export", str(run), str(out)], capture_output=True, text=True,
                           env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -43,11 +43,16 @@ def lr_factor(cfg: Config, total_steps: int) -> Callable[[int], float]:
 
 def param_checksum(model: nn.Module) -> str:
     """A digest of every parameter's bytes: equal on all ranks iff their weights are identical."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # an evaluation's forward leaves the root's parameters gathered (bf16 ones too)
+        if isinstance(module, FSDPModule):
+            module.reshard()
     h = hashlib.sha256()
     for p in model.parameters():
         whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # a sharded parameter: gathered (collective)
-        # A copy: numpy() on the tensor itself would pin its storage, which FSDP frees and regrows.
-        h.update(whole.detach().cpu().contiguous().clone().numpy().tobytes())
+        # A copy: numpy() on the tensor itself would pin its storage, which FSDP frees and regrows. Bytes of any dtype.
+        h.update(whole.detach().cpu().contiguous().clone().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
