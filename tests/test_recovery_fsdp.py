@@ -137,6 +137,7 @@ def test_the_fsdp_adapter_takes_fully_shard_off_and_lets_the_group_go(tmp_path: 
     released = fsdp_group.release(model, [opt], torch.device("cpu"))
     assert not isinstance(model, FSDPModule) and type(model) is torch.nn.Sequential
     assert [p.shape for p in model.parameters()] == [(4, 4), (4,), (4, 4), (4,)] and not opt.state
+    assert {p.device.type for p in model.parameters()} == {"meta"}  # no whole copy of the model is made
     dist.destroy_process_group()
     gc.collect()
     assert old() is None
@@ -144,6 +145,7 @@ def test_the_fsdp_adapter_takes_fully_shard_off_and_lets_the_group_go(tmp_path: 
     try:
         fsdp_group.remake(released)
         assert isinstance(model, FSDPModule) and opt.param_groups[0]["params"] == list(model.parameters())
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
         assert len(opt.state) == 4

@@ -3,11 +3,13 @@ live module tree, so that it can be applied again on the next group, at the next
 
 FSDP2 has no way to move a sharded model onto another process group: its meshes hold the group, its parameters are
 DTensors on those meshes, and ``fully_shard`` refuses a module it was applied to. ``release`` undoes what
-``fully_shard`` did to each module (its hooks, its class, its state in the composable registry), puts an empty
-full-size parameter where each sharded one was, and makes the old meshes let go of their group (its sockets close
-only once nothing holds it). ``remake`` shards the same modules again, in the same order with the same mixed-precision
-policy, on the current default group, and points the optimizers at the new parameters; their values come from a
-checkpoint load next (a lost rank's shard exists nowhere else). ``tests/test_recovery_fsdp.py`` pins what is used.
+``fully_shard`` did to each module (its hooks, its class, its state in the composable registry), puts a full-size
+parameter on the meta device where each sharded one was (no memory: a model sharded because it does not fit on one
+device never exists whole), and makes the old meshes let go of their group (its sockets close only once nothing holds
+it). ``remake`` shards the same modules again, in the same order with the same mixed-precision policy, on the current
+default group, allocates only this rank's shards (``to_empty``, FSDP2's way from the meta device; the buffers, never
+sharded, are kept as they were) and points the optimizers at the new parameters; their values come from a checkpoint
+load next (a lost rank's shard exists nowhere else). ``tests/test_recovery_fsdp.py`` pins what is used.
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ class Released:
     plans: list[tuple[torch.optim.Optimizer, list[list[str]]]]
     device_type: str
     """The meshes' device type (as fully_shard's default mesh chose it)."""
+    device: torch.device
+    """Where the new shards go."""
 
 
 def release(model: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device) -> Released:
-    """Take FSDP2 off ``model`` in place: every sharded parameter becomes an empty full-size one on ``device``, no
-    hook, mesh or state of the old sharding stays, and ``optimizers`` hold no parameter or state of it."""
+    """Take FSDP2 off ``model`` in place: every sharded parameter becomes a full-size one on the meta device (its
+    shard goes to ``device`` at ``remake``), no hook, mesh or state of the old sharding stays, and ``optimizers`` hold
+    no parameter or state of it."""
     from torch.distributed import _composable_state
 
     sharded: list[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -61,7 +66,7 @@ def release(model: nn.Module, optimizers: list[torch.optim.Optimizer], device: t
                            *group._module_to_pre_load_state_dict_hook_handle.values()]:
                 handle.remove()
             for param in group.fsdp_params:
-                swapped[id(param.sharded_param)] = _unsharded(param, device)
+                swapped[id(param.sharded_param)] = _unsharded(param)
         _composable_state._module_state_mapping.pop(module, None)
         for key in (STATE_KEY, REGISTRY_KEY):  # where the composable APIs record that they were applied
             applied = module.__dict__.get(key, {})
@@ -79,26 +84,32 @@ def release(model: nn.Module, optimizers: list[torch.optim.Optimizer], device: t
         for group in opt.param_groups:
             group["params"] = []
     _forget_cached_shardings()
-    return Released(modules[::-1], plans, device_type)  # fully_shard goes bottom-up: the blocks, then the root
+    return Released(modules[::-1], plans, device_type, device)  # fully_shard goes bottom-up: the blocks, the root
 
 
 def remake(released: Released) -> None:
     """Shard the released modules again over the current default group, and give the optimizers their new
     parameters (empty: load a checkpoint next)."""
+    if not released.modules:
+        return
     mesh = init_device_mesh(released.device_type, (dist.get_world_size(),), mesh_dim_names=(f"fsdp{next(_MESHES)}",))
     for module, policy in released.modules:
         fully_shard(module, mesh=mesh, mp_policy=policy)
-    root = released.modules[-1][0] if released.modules else None
-    params = dict(root.named_parameters()) if root is not None else {}
+    root = released.modules[-1][0]
+    buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None]
+    root.to_empty(device=released.device)  # this rank's shards only; the buffers as well, which get theirs back:
+    for module, name, buffer in buffers:  # a buffer left out of state dicts (non-persistent) is in no checkpoint
+        module._buffers[name] = buffer
+    params = dict(root.named_parameters())
     for opt, plan in released.plans:
         for group, names in zip(opt.param_groups, plan, strict=True):
             group["params"] = [params[n] for n in names]
 
 
-def _unsharded(param: Any, device: torch.device) -> nn.Parameter:
-    """An empty full-size parameter in place of FSDP's ``param`` on every module that shares it."""
+def _unsharded(param: Any) -> nn.Parameter:
+    """A full-size parameter on the meta device in place of FSDP's ``param`` on every module that shares it."""
     old = param.sharded_param
-    new = nn.Parameter(torch.empty(param._orig_size, dtype=old.dtype, device=device), requires_grad=old.requires_grad)
+    new = nn.Parameter(torch.empty(param._orig_size, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad)
     param._post_load_hook_handle.remove()
     info = param._module_info
     for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names, strict=True)]:
