@@ -78,6 +78,19 @@ def test_command_line_tools_start_without_torch(argv: list[str]) -> None:
     assert "torch" not in loaded and "matplotlib" not in loaded
 
 
+def test_a_rank_starts_without_what_only_some_jobs_use() -> None:
+    """A rank's start-up is mostly imports (docs/benchmarks.md section 8): the session loads FSDP2 and DTensor (0.6 s,
+    sympy among them) only where a model is sharded or a sharded group regroups, and W&B, optuna, torchvision and
+    matplotlib only where a run uses them."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import trainer.runtime.session"], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in loaded  # the check sees what a rank loads
+    assert not loaded & {"torch.distributed.fsdp", "torch.distributed.tensor", "sympy", "wandb", "optuna",
+                         "torchvision", "matplotlib"}, sorted(loaded & {"torch.distributed.fsdp", "sympy", "wandb"})
+
+
 def test_no_module_is_over_400_lines() -> None:
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines())
              for part in ("trainer", "cluster", "benchmarks") for p in (ROOT / part).rglob("*.py")}

@@ -35,7 +35,7 @@ from trainer.core.exits import SPARE_BASE
 from trainer.core.regroup import Membership, Place, RegroupFailed, SpareReleased
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
-from trainer.runtime import ddp_group, fsdp_group
+from trainer.runtime import ddp_group
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.parts import Parts, Reloaded, Setup, joined_parts, regrouped_parts
 from trainer.runtime.saving.restore import resume
@@ -204,6 +204,8 @@ def rejoin_sharded(exc: BaseException, membership: Membership, s: Setup, parts: 
     """``rejoin`` for a sharded model: FSDP2 taken off it (``fsdp_group``), the next group made, the same modules
     sharded on it and the newest snapshot or checkpoint loaded (``reload``). Returns (this rank's new place, the step
     to go on from, what was loaded, the seconds as ``rejoin``'s)."""
+    from trainer.runtime import fsdp_group  # FSDP2 and DTensor: 0.6 s of imports no DDP job should pay at start
+
     if model is None:
         raise RuntimeError("no model was wrapped (Session.wrap)")
     began = time.monotonic()
