@@ -133,6 +133,16 @@ def test_the_fsdp_adapter_takes_fully_shard_off_and_lets_the_group_go(tmp_path: 
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
+    state = model._get_fsdp_state()  # what release reads, named: a torch upgrade that moves one fails here first
+    group = state._fsdp_param_groups[0]
+    param = group.fsdp_params[0]
+    assert all(hasattr(state, n) for n in ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_mp_policy"))
+    assert all(hasattr(group, n) for n in ("mesh_info", "post_forward_mesh_info",
+                                           "_module_to_pre_save_state_dict_hook_handle",
+                                           "_module_to_pre_load_state_dict_hook_handle"))
+    assert all(hasattr(param, n) for n in ("sharded_param", "_orig_size", "_module_info", "_post_load_hook_handle"))
+    assert all(hasattr(group.mesh_info.mesh, n) for n in ("_pg_registry", "_root_mesh"))
+    del state, group, param
     old = weakref.ref(dist.group.WORLD)
     released = fsdp_group.release(model, [opt], torch.device("cpu"))
     assert not isinstance(model, FSDPModule) and type(model) is torch.nn.Sequential
