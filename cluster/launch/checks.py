@@ -10,6 +10,7 @@ from cluster.job import nodes
 from cluster.profile import Profile
 from trainer.core.errors import UserError
 from trainer.core.legacy import LEGACY
+from trainer.core.schema import takes_snapshots
 from trainer.data.batches import check_worlds
 
 if TYPE_CHECKING:
@@ -38,9 +39,7 @@ def trainer_args(args: list[str], warned_with: str, p: Profile) -> None:
 def snapshot_room(p: Profile, cfg: Config, params: int | None) -> None:
     """Memory snapshots that the nodes' /dev/shm (by default half their memory) cannot hold: refused with the
     figures when asked for (checkpoint.memory=on), one note for auto; nothing when sinfo or the model cannot say."""
-    in_place = p.in_place or (p.regroup and cfg.dist.strategy == "fsdp")  # as the runtime decides (snapshots.wanted)
-    wanted = cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and in_place)
-    mem = nodes.memory_mb(p.partition) if wanted and params else None
+    mem = nodes.memory_mb(p.partition) if takes_snapshots(cfg, p.in_place, p.regroup) and params else None
     if not mem or not params:
         return
     state = params * 4 * (1 + (2 if cfg.optim.name == "adamw" else 1))  # fp32 weights, optimizer moments

@@ -227,3 +227,10 @@ class Config:
     """Run folder."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Weights & Biases run tracking (rank 0 only)."""
+
+
+def takes_snapshots(cfg: Config, in_place: bool, regroups: bool) -> bool:
+    """checkpoint.memory decided: ``on``, or ``auto`` in a job that restarts in its allocation (``in_place``) or that
+    regroups a sharded model in place (``regroups``: the lost rank's shard exists nowhere else)."""
+    auto = in_place or (regroups and cfg.dist.strategy == "fsdp")
+    return cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and auto)

@@ -19,7 +19,7 @@ from trainer.checkpoint.memory import KEEP, MemorySnapshots, place
 from trainer.core.dist import host_group
 from trainer.core.env import DistEnv, JobInfo
 from trainer.core.errors import UserError
-from trainer.core.schema import Config
+from trainer.core.schema import Config, takes_snapshots
 from trainer.runtime.poll import Layout, Message
 from trainer.runtime.saving.cadence import history
 
@@ -30,10 +30,8 @@ MAX_OVERHEAD = 0.02
 
 
 def wanted(cfg: Config, job: JobInfo) -> bool:
-    """Whether this run takes memory snapshots: ``on``, or ``auto`` in a job that restarts in place, or that regroups
-    a sharded model in place (the lost rank's shard exists nowhere else)."""
-    regroups_sharded = job.store is not None and cfg.dist.strategy == "fsdp"
-    return cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and (job.in_place or regroups_sharded))
+    """Whether this run takes memory snapshots (``takes_snapshots``: a job with the store regroups in place)."""
+    return takes_snapshots(cfg, job.in_place, job.store is not None)
 
 
 def interval_steps(stall_s: float, step_s: float, mtbf_s: float) -> int:
