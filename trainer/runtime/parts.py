@@ -140,10 +140,7 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
     snapshots a sharded model's regroup opened already."""
     env = s.env
     p.group.audit.close()
-    try:  # a background save of the old group: finished, or failed with it (the newest complete one stands)
-        p.saves.checkpointer.wait()
-    except (RuntimeError, OSError) as exc:
-        s.say(f"note: a background save did not finish before the regroup: {exc}")
+    settle_saves(p, s.say)
     run, events, tracker = RunDir(p.run.path, env), p.events, p.tracker
     p.heartbeat.env, p.heartbeat.folder = env, hang_folder(run, s)  # its files go by the rank now
     if env.is_main and not p.run.env.is_main:
@@ -161,6 +158,14 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
     saves.saved_step, saves.last_path, saves.stall_s = p.saves.saved_step, p.saves.last_path, p.saves.stall_s
     return dataclasses.replace(p, run=run, events=events, reports=Reports(run.path, env, s.job.pruning),
                                snapshots=snapshots, tracker=tracker, group=group, saves=saves)
+
+
+def settle_saves(p: Parts, say: Callable[[str], None]) -> None:
+    """A background save of the old group: finished, or failed with it (the newest complete one stands; one note)."""
+    try:
+        p.saves.checkpointer.wait()
+    except (RuntimeError, OSError) as exc:
+        say(f"note: a background save did not finish before the regroup: {exc}")
 
 
 def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str, Any], step: int, events: EventLog,

@@ -37,7 +37,7 @@ from trainer.core.schema import Config
 from trainer.data.loader import Loader, reshard
 from trainer.runtime import ddp_group
 from trainer.runtime.buckets import prime_when_resumed
-from trainer.runtime.parts import Parts, Reloaded, Setup, joined_parts, regrouped_parts
+from trainer.runtime.parts import Parts, Reloaded, Setup, joined_parts, regrouped_parts, settle_saves
 from trainer.runtime.saving.restore import resume
 from trainer.runtime.saving.snapshots import Snapshots
 
@@ -128,11 +128,9 @@ def take_over(s: Setup, model: nn.Module | None, objects: dict[str, Any],
     step to go on from, the parts, the marks)."""
     marks = Marks(objects, -1)
     if s.cfg.dist.strategy == "fsdp":  # the survivors' side is ``rejoin_sharded``
-        run_dir, nodes = meet(s.env, "")
-        s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
-        reloaded = reload(s, Path(run_dir), model, objects)
-        marks.done = marks.current = step = reloaded.resumption.step
-        return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper, reloaded), marks
+        s, folder, reloaded = reload(s, "", model, objects, marks)
+        step = reloaded.resumption.step
+        return step, joined_parts(s, folder, model, objects, step, wrapper, reloaded), marks
     step, _, run_dir, nodes = agree(marks, s.env)
     s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
     return step, joined_parts(s, Path(run_dir), model, objects, step, wrapper), marks
@@ -145,16 +143,22 @@ def meet(env: DistEnv, run_dir: str) -> tuple[str, int]:
     return next(r for _, r in said if r), len({h for h, _ in said})
 
 
-def reload(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict[str, Any]) -> Reloaded:
-    """Collective, once a sharded model is sharded on the new group (``s.env``): the newest snapshot its nodes hold
-    together (else the newest checkpoint) loaded into ``objects``; RuntimeError when there is none yet."""
+def reload(s: Setup, run_dir: str, model: nn.Module | None, objects: dict[str, Any],
+           marks: Marks) -> tuple[Setup, Path, Reloaded]:
+    """Collective, once a sharded model is sharded on the new group (``s.env``; ``run_dir`` as ``meet``'s): the newest
+    snapshot its nodes hold together (else the newest checkpoint) loaded into ``objects``, ``marks`` at its step.
+    Returns ``s`` with the group's number of nodes, the run folder and what was loaded; RuntimeError when there is
+    none yet."""
+    run, nodes = meet(s.env, run_dir)
+    s = dataclasses.replace(s, env=dataclasses.replace(s.env, num_nodes=nodes))
     for loader in (o for o in objects.values() if isinstance(o, Loader)):  # the new split; the position comes next
         loader.reshape(s.env, loader.state_dict())
-    snapshots = Snapshots.open(s.cfg, s.env, s.job, run_dir, s.sharded, model, lambda *_, **__: None)
-    restored = resume(s.cfg, s.env, run_dir, snapshots, objects, model, s.say)
+    snapshots = Snapshots.open(s.cfg, s.env, s.job, Path(run), s.sharded, model, lambda *_, **__: None)
+    restored = resume(s.cfg, s.env, Path(run), snapshots, objects, model, s.say)
     if restored.resumed is None:
         raise RuntimeError("no snapshot in node memory and no checkpoint holds the lost rank's shard yet")
-    return Reloaded(snapshots, restored)
+    marks.done = marks.current = restored.step
+    return s, Path(run), Reloaded(snapshots, restored)
 
 
 def let_go(exc: BaseException) -> None:
@@ -210,10 +214,7 @@ def rejoin_sharded(exc: BaseException, membership: Membership, s: Setup, parts: 
         raise RuntimeError("no model was wrapped (Session.wrap)")
     began = time.monotonic()
     let_go(exc)
-    try:  # a background save of the old group: finished, or failed with it
-        parts.saves.checkpointer.wait()
-    except (RuntimeError, OSError) as err:
-        s.say(f"note: a background save did not finish before the regroup: {err}")
+    settle_saves(parts, s.say)  # before the old group's modules are taken apart
     optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
     released = fsdp_group.release(model, optimizers, s.device)  # nothing holds the failed group's meshes now
     if parts.snapshots:
@@ -223,10 +224,8 @@ def rejoin_sharded(exc: BaseException, membership: Membership, s: Setup, parts: 
     env = tdist.regroup(membership, s.env)
     joined = time.monotonic()
     fsdp_group.remake(released)
-    run_dir, nodes = meet(env, str(parts.run.path))
-    env = dataclasses.replace(env, num_nodes=nodes)
-    reloaded = reload(dataclasses.replace(s, env=env), Path(run_dir), model, objects)
-    marks.done = marks.current = step = reloaded.resumption.step
+    s, _, reloaded = reload(dataclasses.replace(s, env=env), str(parts.run.path), model, objects, marks)
+    env, step = s.env, reloaded.resumption.step
     for loader in loaders:
         if not isinstance(loader, Loader):
             reshard(loader, env)
