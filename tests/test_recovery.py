@@ -86,6 +86,22 @@ def _kill_when(procs: list[Any], lost: int, ready: Callable[[], bool],
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+def _spare(args: list[str], tmp: Path, env: dict[str, str], local_rank: int = 0) -> Any:
+    """A warm spare of the elastic loop beside the job (TRAINER_SPARE=0: it imports everything and waits at the store
+    ``env`` names); ``local_rank``: its slot on the machine."""
+    spare_env = {"RANK": "0", "LOCAL_RANK": str(local_rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
+    return warm.Popen([sys.executable, str(LOOP), *args], cwd=tmp, env=clean_env(spare_env), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
+
+
+def _spares_waiting(env: dict[str, str]) -> Callable[[], int]:
+    """How many spares wait at the store ``env`` names."""
+    host, port, _ = env["TRAINER_STORE"].split(":")
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    return lambda: int(client.add("spares/count", 0))
+
+
 def _stepped(run: Path, steps: int = 1) -> Callable[[], bool]:
     """Whether the run's trace (the elastic loop's) holds ``steps`` steps; with 0, whether its first step ended."""
     if not steps:
@@ -309,14 +325,9 @@ def test_a_warm_spare_takes_the_lost_ranks_place_and_the_run_ends_as_a_restart_w
     run, ref = tmp_path / "run", tmp_path / "ref"
     with _store(tmp_path) as env:
         procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
-        spare_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
-        spare = warm.Popen([sys.executable, str(LOOP), *COMMON, f"run.dir={run}", "--pace", "0.05"], cwd=tmp_path,
-                           env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        host, port, _ = env["TRAINER_STORE"].split(":")
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-        waiting = _stepped(run, 8)
-        outs = _kill_when([*procs, spare], 1, lambda: waiting() and int(client.add("spares/count", 0)) == 1)
+        spare = _spare([*COMMON, f"run.dir={run}", "--pace", "0.05"], tmp_path, env)
+        stepped, spares = _stepped(run, 8), _spares_waiting(env)
+        outs = _kill_when([*procs, spare], 1, lambda: stepped() and spares() == 1)
     [regroup] = _events(run, "regroup")
     k = regroup["step"]
     assert (regroup["lost"], regroup["members"], regroup["world_size"], regroup["exact"]) == \
@@ -337,8 +348,6 @@ def test_a_group_that_went_on_smaller_grows_back_when_a_warm_spare_comes(tmp_pat
     run, ref = tmp_path / "run", tmp_path / "ref"
     with _store(tmp_path) as env:
         procs = spawn_ranks([*COMMON, f"run.dir={run}", "--pace", "0.3"], tmp_path, 3, env, script=LOOP)
-        spare_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
         try:
             deadline, ready = time.monotonic() + 180, _stepped(run, 8)
             while not ready() and time.monotonic() < deadline:
@@ -346,8 +355,7 @@ def test_a_group_that_went_on_smaller_grows_back_when_a_warm_spare_comes(tmp_pat
             os.killpg(procs[2].pid, signal.SIGKILL)
             while not ((run / "events.jsonl").exists() and _events(run, "regroup")) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            spare = warm.Popen([sys.executable, str(LOOP), *COMMON, f"run.dir={run}"], cwd=tmp_path,
-                               env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            spare = _spare([*COMMON, f"run.dir={run}"], tmp_path, env)
             procs[2] = spare
             outs = outputs(procs, timeout=180)
         finally:

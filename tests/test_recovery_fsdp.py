@@ -9,21 +9,17 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests import warm
 from trainer.core.exits import SPARE_BASE
 
-from .conftest import clean_env, outputs, spawn_ranks
-from .test_recovery import COMMON, LOOP, _events, _kill_when, _ranks, _stepped, _store, _trace
+from .conftest import outputs, spawn_ranks
+from .test_recovery import COMMON, LOOP, _events, _kill_when, _ranks, _spare, _spares_waiting, _stepped, _store, _trace
 
 SHARDED = [*COMMON, "dist.strategy=fsdp", "checkpoint.memory=on", "checkpoint.memory_every_steps=3"]
 
@@ -102,14 +98,9 @@ def test_a_warm_spare_takes_a_sharded_ranks_place(tmp_path: Path) -> None:
         procs = spawn_ranks([*SHARDED, f"run.dir={run}", "--pace", "0.05"], tmp_path, 3, env, script=LOOP)
         # On one machine the spare stands in the lost rank's slot of the node (a spare node would have its own):
         # two processes with local rank 0 would both write the node's snapshot folder.
-        spare_env = {"RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
-        spare = warm.Popen([sys.executable, str(LOOP), *SHARDED, f"run.dir={run}", "--pace", "0.05"], cwd=tmp_path,
-                           env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        host, port, _ = env["TRAINER_STORE"].split(":")
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-        waiting = _stepped(run, 8)
-        outs = _kill_when([*procs, spare], 1, lambda: waiting() and int(client.add("spares/count", 0)) == 1)
+        spare = _spare([*SHARDED, f"run.dir={run}", "--pace", "0.05"], tmp_path, env, local_rank=1)
+        stepped, spares = _stepped(run, 8), _spares_waiting(env)
+        outs = _kill_when([*procs, spare], 1, lambda: stepped() and spares() == 1)
     [regroup] = _events(run, "regroup")
     assert (regroup["lost"], regroup["members"], regroup["world_size"]) == ([1], [0, 2, SPARE_BASE], 3), regroup
     assert "a warm spare took the place: 3 processes go on" in outs[0]
@@ -171,8 +162,6 @@ def test_a_sharded_group_that_went_on_smaller_grows_back(tmp_path: Path) -> None
     with _store(tmp_path) as env:
         env["TRAINER_MEMORY_DIR"] = str(tmp_path / "shm")
         procs = spawn_ranks([*SHARDED, f"run.dir={run}", "--pace", "0.3"], tmp_path, 3, env, script=LOOP)
-        spare_env = {"RANK": "0", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",  # the lost one's slot
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TRAINER_SPARE": "0", **env}
         try:
             deadline, ready = time.monotonic() + 180, _stepped(run, 8)
             while not ready() and time.monotonic() < deadline:
@@ -180,8 +169,7 @@ def test_a_sharded_group_that_went_on_smaller_grows_back(tmp_path: Path) -> None
             os.killpg(procs[2].pid, signal.SIGKILL)
             while not ((run / "events.jsonl").exists() and _events(run, "regroup")) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            procs[2] = warm.Popen([sys.executable, str(LOOP), *SHARDED, f"run.dir={run}"], cwd=tmp_path,
-                                  env=clean_env(spare_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs[2] = _spare([*SHARDED, f"run.dir={run}"], tmp_path, env, local_rank=2)  # the lost one's slot
             outs = outputs(procs, timeout=180)
         finally:
             for proc in procs:
