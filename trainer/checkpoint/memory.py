@@ -5,7 +5,8 @@ Between durable saves each node keeps its ranks' state in a RAM-backed folder lo
 restart inside the allocation restores from the newest snapshot the nodes of the new attempt hold together: what a
 node lacks comes from a node that has it over the process group, never from the shared file system. The durable
 checkpoint is used when it is as new, or when no complete snapshot survives. Snapshots belong to one allocation
-(the folder is named after the job and its Slurm restart count) and never replace durable saves.
+(the folder is named after the job and its Slurm restart count) and never replace durable saves. Every process that
+uses a folder holds its lease, and the first run on a node clears the folders of dead jobs (``lease``).
 
 Per node: ``<memory_dir>/trainer-snapshots-<uid>/<job>-<run>.<restart>/<node>/``
   ``step_<N>.pt``    the whole state, single-file layout (DDP, one process): every node holds it (replicated)
@@ -15,6 +16,7 @@ Per node: ``<memory_dir>/trainer-snapshots-<uid>/<job>-<run>.<restart>/<node>/``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.checkpoint import lease
 from trainer.checkpoint.file import Staging, save_atomic
 from trainer.checkpoint.layout import EXTRA, PREFIX
 from trainer.checkpoint.rng import rng_state
@@ -41,6 +44,8 @@ KEEP = 2
 """Snapshots each node keeps (the one being written may fail half-way: the one before it stays whole)."""
 METADATA = ".metadata"
 """DCP's index of a sharded save, written by rank 0: copied to every node."""
+_swept: set[Path] = set()
+"""The snapshot roots this process has cleared of dead jobs' folders (once each: a regroup opens its folder again)."""
 
 
 def place(memory_dir: str, job_id: str | None, restart: int, run_dir: Path) -> Path:
@@ -70,6 +75,11 @@ class MemorySnapshots:
         self._staging = Staging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        with contextlib.suppress(OSError):  # a folder that cannot be made: the first snapshot says so
+            lease.hold(folder)
+            if self.lead and folder.parents[1] not in _swept:
+                _swept.add(folder.parents[1])
+                lease.sweep(folder.parents[1], folder)
 
     # ---- taking ------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], sharded: dict[str, Any], step: int) -> None:
@@ -156,8 +166,11 @@ class MemorySnapshots:
     def clear(self) -> None:
         """Remove this node's snapshots of the run (its end: they never outlive it)."""
         self.wait()
+        lease.release(self.folder)
         if self.lead:
             shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # the attempt's folder, once no node of it has one left
 
     # ---- restoring ---------------------------------------------------------------------------
     def holdings(self) -> dict[int, dict[str, Any]]:

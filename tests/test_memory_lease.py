@@ -1,0 +1,137 @@
+"""Snapshot folders of dead jobs are cleared from node memory (trainer/checkpoint/lease.py): leases held by real
+processes, holders killed with SIGKILL from outside, the clock of the sweep injected."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import lease
+
+from .conftest import ROOT, SMALL, ok, run_trainer
+
+HOLDER = ("import sys, time; from pathlib import Path; from trainer.checkpoint import lease; "
+          "lease.RENEW_S = float(sys.argv[2]); lease.hold(Path(sys.argv[1])); print('held', flush=True); "
+          "time.sleep(600)")
+
+
+@pytest.fixture
+def holders() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def hold(procs: list[subprocess.Popen[str]], folder: Path, renew_s: float = 3600.0,
+         wait: bool = True) -> subprocess.Popen[str]:
+    """A process that holds ``folder``'s lease until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), str(renew_s)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE)
+    procs.append(proc)
+    if wait:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def aged(folder: Path, when: float) -> Path:
+    """Set the time of ``folder`` and everything in it to ``when``."""
+    for path in [*folder.rglob("*"), folder]:
+        os.utime(path, (when, when))
+    return folder
+
+
+def waiting_for_a_lock(pid: int) -> bool:
+    """Whether ``pid`` is blocked on a file lock (the kernel lists waiters with "->" in /proc/locks)."""
+    return any("->" in line and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text().splitlines())
+
+
+def snapshot(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "step_00000003.pt").write_bytes(b"x" * 1000)
+    return folder
+
+
+def test_only_folders_nobody_holds_or_renewed_within_the_grace_are_removed(
+        tmp_path: Path, holders: list[subprocess.Popen[str]]) -> None:
+    root, t0 = tmp_path / "trainer-snapshots-0", 1_000_000.0
+    live, killed, mine = root / "1-a.0" / "n1", root / "2-b.0" / "n1", root / "4-d.0" / "n1"
+    hold(holders, snapshot(live))
+    victim = hold(holders, snapshot(killed))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    old, young = snapshot(root / "3-c.0" / "n1"), snapshot(root / "3-c.0" / "n2")  # made before leases: no lease
+    snapshot(mine)
+    (root / ".swept-9-9").mkdir()  # a sweep killed half-way
+    (root / "5-e.1").mkdir()  # an attempt's folder with no node in it
+    for folder in (live, killed, old, mine, root / "5-e.1"):
+        aged(folder, t0)
+    aged(young, t0 + lease.GRACE_S)
+
+    assert lease.sweep(root, mine, now=t0 + lease.GRACE_S - 1) == (0, 0)
+    assert sorted(p.name for p in root.iterdir()) == ["1-a.0", "2-b.0", "3-c.0", "4-d.0", "5-e.1"]
+    removed, freed = lease.sweep(root, mine, now=t0 + lease.GRACE_S + 1)
+    assert (removed, freed) == (2, 2000), "the killed holder's folder and the old one without a lease"
+    assert not killed.exists() and not old.exists() and not (root / "2-b.0").exists()
+    assert live.is_dir() and young.is_dir() and mine.is_dir(), "a live holder's, a recent and our own folder stay"
+    assert sorted(p.name for p in root.iterdir()) == ["1-a.0", "3-c.0", "4-d.0"]
+    assert lease.sweep(root, mine, now=t0 + 10 * lease.GRACE_S) == (1, 1000)  # young's turn; live still stays
+    assert live.is_dir() and (live / "step_00000003.pt").is_file()
+
+
+def test_a_holder_renews_its_lease_while_it_lives(tmp_path: Path, holders: list[subprocess.Popen[str]]) -> None:
+    folder = tmp_path / "1-a.0" / "n1"
+    hold(holders, folder, renew_s=0.05)
+    aged(folder, 1000.0)
+    deadline = time.monotonic() + 60
+    while (folder / lease.LEASE).stat().st_mtime == 1000.0:
+        assert time.monotonic() < deadline, "the lease was not renewed"
+        time.sleep(0.05)
+
+
+def test_a_process_that_starts_while_its_folder_is_swept_makes_it_again_and_holds_it(
+        tmp_path: Path, holders: list[subprocess.Popen[str]]) -> None:
+    """The sweep keeps the lease locked until the folder is renamed away: the starting process waits for the lock,
+    then sees its lease is no longer at its path and makes a new one."""
+    root = tmp_path / "trainer-snapshots-0"
+    folder = snapshot(root / "1-a.0" / "n1")
+    (folder / lease.LEASE).touch()
+    sweeping = os.open(folder / lease.LEASE, os.O_RDONLY)
+    fcntl.flock(sweeping, fcntl.LOCK_EX)
+    proc = hold(holders, folder, wait=False)
+    deadline = time.monotonic() + 60
+    while not waiting_for_a_lock(proc.pid):
+        assert time.monotonic() < deadline and proc.poll() is None, "the holder never waited for the lock"
+        time.sleep(0.02)
+    os.rename(folder, root / ".swept-1-1")
+    os.close(sweeping)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    check = os.open(folder / lease.LEASE, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(check, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(check)
+    assert lease.sweep(root, root / "x" / "y", now=time.time() + 10 * lease.GRACE_S) == (0, 1000)
+    assert folder.is_dir() and not (root / ".swept-1-1").exists()
+
+
+def test_a_run_that_takes_snapshots_clears_a_dead_jobs_folder(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    dead = snapshot(shm / f"trainer-snapshots-{os.getuid()}" / "123-deadbeef.0" / "n9")
+    (dead / lease.LEASE).touch()
+    aged(dead, time.time() - 2 * lease.GRACE_S)
+    args = [*SMALL, "train.epochs=1", "checkpoint.memory=on", "checkpoint.memory_every_steps=3",
+            f"run.dir={tmp_path / 'run'}"]
+    ok(run_trainer(args, tmp_path, env={"TRAINER_MEMORY_DIR": str(shm)}))
+    assert not dead.parent.exists()
+    assert list((shm / f"trainer-snapshots-{os.getuid()}").iterdir()) == [], "the finished run cleared its own"
