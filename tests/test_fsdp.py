@@ -206,11 +206,11 @@ def test_memory_advice_and_oom_hints_know_about_fsdp() -> None:
     from trainer.doctor.checks import memory_advice
 
     gib80 = 80 * 2**30
-    what, hint = memory_advice(7_000_000_000, "adamw", gib80, "ddp", 8) or ("", "")
+    what, hint = memory_advice(7_000_000_000, "adamw", gib80, False, 8) or ("", "")
     assert "104.3 GiB per GPU" in what and hint.startswith("dist.strategy=fsdp") and "13.0 GiB each on 8" in hint
-    assert memory_advice(7_000_000_000, "adamw", gib80, "fsdp", 8) is None  # 1/8 each fits
-    assert memory_advice(1_000_000, "sgd", gib80, "ddp", 1) is None
-    assert "more GPUs" in (memory_advice(70_000_000_000, "adamw", gib80, "fsdp", 8) or ("", ""))[1]
+    assert memory_advice(7_000_000_000, "adamw", gib80, True, 8) is None  # 1/8 each fits
+    assert memory_advice(1_000_000, "sgd", gib80, False, 1) is None
+    assert "more GPUs" in (memory_advice(70_000_000_000, "adamw", gib80, True, 8) or ("", ""))[1]
     env = DistEnv(0, 0, 4, 4, 0, 1, "127.0.0.1", 29500, None, "torchrun")
     err = out_of_memory(RuntimeError("CUDA out of memory"), load([]), env, torch.device("cpu"), 0, setup=True)
     assert "dist.strategy=fsdp" in err.hint and "1/4" in err.hint

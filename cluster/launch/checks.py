@@ -44,7 +44,7 @@ def snapshot_room(p: Profile, cfg: Config, params: int | None) -> None:
         return
     state = params * 4 * (1 + (2 if cfg.optim.name == "adamw" else 1))  # fp32 weights, optimizer moments
     world = p.nodes * p.ntasks_per_node
-    share = 2 * p.ntasks_per_node / world if cfg.dist.strategy == "fsdp" and world > p.ntasks_per_node else 1.0
+    share = 2 * p.ntasks_per_node / world if cfg.dist.sharded and world > p.ntasks_per_node else 1.0
     need, room = 2 * state * share, mem * 2**20 / 2  # two snapshots kept; fsdp: this node's shards and a partner's
     if need <= room:
         return

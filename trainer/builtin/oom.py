@@ -26,7 +26,7 @@ def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.d
         hints = ["check that nothing else holds this GPU's memory (nvidia-smi): one trainer process per GPU",
                  f"a smaller model than {cfg.model.target or cfg.model.name}, or a GPU with more memory",
                  "checkpoints are untouched"]
-        if cfg.dist.strategy == "ddp":  # weights, gradients and optimizer state: FSDP keeps 1/N of them per GPU
+        if not cfg.dist.sharded:  # weights, gradients and optimizer state: FSDP keeps 1/N of them per GPU
             hints.insert(1, "dist.strategy=fsdp: parameters, gradients and optimizer state split across the "
                             f"processes (about 1/{env.world_size} each here; more GPUs, less each)")
     else:
@@ -38,7 +38,7 @@ def out_of_memory(exc: BaseException, cfg: Config, env: DistEnv, device: torch.d
         if cfg.train.precision == "fp32":
             hints.append("train.precision=bf16 (about half the activation memory)")
         hints += ["dist.strategy=fsdp dist.activation_checkpointing=true (activations recomputed per block; "
-                  "weights and optimizer state split across processes)" if cfg.dist.strategy == "ddp" else
+                  "weights and optimizer state split across processes)" if not cfg.dist.sharded else
                   "dist.activation_checkpointing=true (activations recomputed per block in the backward pass)",
                   "evaluation already runs under torch.no_grad; a checkpoint, if any, is untouched"]
     first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # torch may raise it with no message

@@ -81,7 +81,7 @@ class Trainer:
         self.model: nn.Module = parts.model  # under fsdp the same module as self.net
         o = cfg.optim
         # One kernel for all parameters on CUDA (the CPU keeps foreach); sharded parameters have a fused AdamW only.
-        fused = True if sess.device.type == "cuda" and (o.name == "adamw" or cfg.dist.strategy != "fsdp") else None
+        fused = True if sess.device.type == "cuda" and (o.name == "adamw" or not cfg.dist.sharded) else None
         self.optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                             fused=fused)

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from trainer.checkpoint.base import Checkpointer
 
 
-def sharded_format(format: str, strategy: str) -> bool:
+def sharded_format(format: str, sharded_model: bool) -> bool:
     """Whether checkpoints are DCP shards (every rank writes its part): ``checkpoint.format`` dcp, or auto under fsdp."""
-    return format == "dcp" or (format == "auto" and strategy == "fsdp")
+    return format == "dcp" or (format == "auto" and sharded_model)
 
 
 def open_checkpointer(sharded: bool, folder: Path, is_main: bool, keep: int,

@@ -152,10 +152,10 @@ def validate(cfg: Config) -> None:
         raise _err("dist.heartbeat_timeout_s", f"is {cfg.dist.heartbeat_timeout_s:g} s, not below dist.timeout_s="
                    f"{cfg.dist.timeout_s:g}: collectives would time out first, without saying which rank is stuck",
                    f"e.g. dist.heartbeat_timeout_s={0.8 * cfg.dist.timeout_s:g}, or 0 to turn hang reports off")
-    if cfg.dist.strategy == "fsdp" and cfg.checkpoint.format == "file":
+    if cfg.dist.sharded and cfg.checkpoint.format == "file":
         raise _err("checkpoint.format", "file cannot hold a model sharded across ranks (dist.strategy=fsdp)",
                    "use checkpoint.format=auto or dcp; `python -m trainer.export` makes one file for inference")
-    if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
+    if cfg.dist.sharded and cfg.train.precision == "fp16":
         raise _err("train.precision", "fp16 (GradScaler) is not supported with dist.strategy=fsdp",
                    "use train.precision=bf16: parameters in bf16, gradients reduced in fp32")
     if not (cfg.audit.straggler_ratio > 1 and math.isfinite(cfg.audit.straggler_ratio)):
@@ -167,7 +167,7 @@ def validate(cfg: Config) -> None:
     if cfg.audit.replicas_every_steps < -1:
         raise _err("audit.replicas_every_steps", f"must be -1 (off), 0 (at saves) or steps, got "
                    f"{cfg.audit.replicas_every_steps}", "e.g. audit.replicas_every_steps=0")
-    if cfg.dist.activation_checkpointing and cfg.dist.strategy != "fsdp":
+    if cfg.dist.activation_checkpointing and not cfg.dist.sharded:
         raise _err("dist.activation_checkpointing", "applies to the blocks FSDP shards", "add dist.strategy=fsdp")
 
 

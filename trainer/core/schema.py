@@ -121,6 +121,11 @@ class DistConfig:
     """fsdp: recompute each sharded block's activations in the backward pass (less memory, about a third more compute)."""
 
     @property
+    def sharded(self) -> bool:
+        """Whether each rank holds only its shard of the model (fsdp), not the whole of it (ddp)."""
+        return self.strategy == "fsdp"
+
+    @property
     def heartbeat_s(self) -> float:
         """The heartbeat timeout in effect (auto resolved); 0 when off."""
         return 0.8 * self.timeout_s if self.heartbeat_timeout_s < 0 else self.heartbeat_timeout_s
@@ -232,5 +237,5 @@ class Config:
 def takes_snapshots(cfg: Config, in_place: bool, regroups: bool) -> bool:
     """checkpoint.memory decided: ``on``, or ``auto`` in a job that restarts in its allocation (``in_place``) or that
     regroups a sharded model in place (``regroups``: the lost rank's shard exists nowhere else)."""
-    auto = in_place or (regroups and cfg.dist.strategy == "fsdp")
+    auto = in_place or (regroups and cfg.dist.sharded)
     return cfg.checkpoint.memory == "on" or (cfg.checkpoint.memory == "auto" and auto)

@@ -126,7 +126,7 @@ def check_model_memory(cfg: Config, env: DistEnv) -> Check:
     if params is None:
         return Check("model memory", SKIP, "the model cannot be built on the meta device to count its parameters")
     gpu = torch.cuda.get_device_properties(env.local_rank % torch.cuda.device_count()).total_memory
-    advice = memory_advice(params, cfg.optim.name, gpu, cfg.dist.strategy, env.world_size)
+    advice = memory_advice(params, cfg.optim.name, gpu, cfg.dist.sharded, env.world_size)
     if advice:
         return Check("model memory", FAIL, *advice)
     return Check("model memory", PASS, f"{params / 1e6:.1f}M parameters fit ({cfg.dist.strategy})")
@@ -319,16 +319,16 @@ STATE_COPIES = {"sgd": 1, "adamw": 2}
 """Optimizer state per parameter, in parameter-sized tensors (SGD's momentum; Adam's two moments)."""
 
 
-def memory_advice(params: int, optimizer: str, gpu_bytes: int, strategy: str, world: int) -> tuple[str, str] | None:
+def memory_advice(params: int, optimizer: str, gpu_bytes: int, sharded: bool, world: int) -> tuple[str, str] | None:
     """(what does not fit, what to do) when fp32 parameters + gradients + optimizer state would fill more than 80 %
     of one GPU with this strategy; None when they fit (activations come on top: this is the floor)."""
     total = 4 * params * (2 + STATE_COPIES.get(optimizer, 2))
-    per_rank = total if strategy == "ddp" else total / max(1, world)
+    per_rank = total / max(1, world) if sharded else total
     if per_rank <= 0.8 * gpu_bytes:
         return None
     what = (f"{params / 1e6:.0f}M parameters need {per_rank / 2**30:.1f} GiB per GPU for weights, gradients and "
-            f"{optimizer} state ({strategy}), of {gpu_bytes / 2**30:.0f} GiB")
-    if strategy == "ddp":
+            f"{optimizer} state ({'fsdp' if sharded else 'ddp'}), of {gpu_bytes / 2**30:.0f} GiB")
+    if not sharded:
         return what, (f"dist.strategy=fsdp splits them across the processes: about {total / max(1, world) / 2**30:.1f} "
                       f"GiB each on {world}; more GPUs lower it further")
     return what, f"run on more GPUs (each keeps 1/N of it), e.g. {2 * world} processes"

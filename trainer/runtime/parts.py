@@ -173,7 +173,7 @@ def open_group(s: Setup, run: RunDir, model: nn.Module | None, objects: dict[str
     """Collective: the audits from ``step`` on, and the save policy whose poll also agrees the snapshots' interval
     and the straggler meter's times."""
     audit = Audit(s.cfg, s.env, model, objects, s.device, step, events.emit, s.say, wrapper)
-    sharded = s.cfg.dist.strategy == "fsdp"  # a sharded group grows back through a snapshot of the step it grows at
+    sharded = s.cfg.dist.sharded  # a sharded group grows back through a snapshot of the step it grows at
     growth = Growth(s.membership) if s.membership and (snapshots or not sharded) else None
     policy = save_policy(s.cfg.checkpoint, s.env, s.preemption, run.path, s.job.mtbf_hours, hooks.current().end_in_s,
                          s.job.end_time, parts=(snapshots, audit.meter, growth))

@@ -127,7 +127,7 @@ def take_over(s: Setup, model: nn.Module | None, objects: dict[str, Any],
     step, state, loader positions and run folder (their side is ``recover``), and this process's parts. Returns (the
     step to go on from, the parts, the marks)."""
     marks = Marks(objects, -1)
-    if s.cfg.dist.strategy == "fsdp":  # the survivors' side is ``rejoin_sharded``
+    if s.cfg.dist.sharded:  # the survivors' side is ``rejoin_sharded``
         s, folder, reloaded = reload(s, "", model, objects, marks)
         step = reloaded.resumption.step
         return step, joined_parts(s, folder, model, objects, step, wrapper, reloaded), marks
@@ -256,7 +256,7 @@ def recover(exc: BaseException, lost: list[int], membership: Membership, s: Setu
         parts.saves.checkpointer.wait()
     lost_at, held, reloaded = membership.lost_at(lost), marks.done, None
     try:
-        if s.cfg.dist.strategy == "fsdp":
+        if s.cfg.dist.sharded:
             env, step, reloaded, times = rejoin_sharded(exc, membership, s, parts, model, marks, objects, loaders)
             exact = True  # as a restart from that snapshot: the steps since it run again
         else:

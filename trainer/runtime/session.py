@@ -110,7 +110,7 @@ class Session:
         """The model ``wrap`` placed (unwrapped; under fsdp the sharded module itself)."""
         self.wrapper: nn.Module | None = None
         """DDP around ``model`` (its forward broadcasts buffers: a wait the straggler meter leaves out)."""
-        self.sharded_checkpoints = sharded_format(self.cfg.checkpoint.format, self.cfg.dist.strategy)
+        self.sharded_checkpoints = sharded_format(self.cfg.checkpoint.format, self.cfg.dist.sharded)
 
     @property
     def heartbeat(self) -> Heartbeat:
@@ -156,7 +156,7 @@ class Session:
         self.model = model.to(self.device)
         if self.env.world_size == 1:  # nothing to reduce or shard; DDP's constructor alone imports torch._dynamo (1-3 s)
             return self.model  # (checkpoints keep their format)
-        if self.cfg.dist.strategy == "fsdp":
+        if self.cfg.dist.sharded:
             return shard(self.model, self.cfg.train.precision, self.cfg.dist.activation_checkpointing)
         ddp = self.wrapper = ddp_group.wrap(self.model, self.device, sync=self.job.spare is None)  # spare: restore
         if self.env.world_size > 2:  # resumed, the first step sums in the uninterrupted run's order (runtime/buckets.py)
@@ -251,7 +251,7 @@ class Session:
         m, p, grow = self.membership, _opened(self.parts), isinstance(exc, Grow)
         if m is None or self.marks is None or not isinstance(exc, RuntimeError) or not (grow or (lost := m.lost())):
             raise exc
-        if grow and p.snapshots and self.cfg.dist.strategy == "fsdp":  # nothing lost: it loads this very step's
+        if grow and p.snapshots and self.cfg.dist.sharded:  # nothing lost: it loads this very step's
             p.snapshots.take(*self._state(self.step), self.step)
         self.env, self.step, self.parts = recover(exc, [] if grow else lost, m, self._setup(), p, self.model,
                                                   self.wrapper, self.marks, self.loaders, self.objects,

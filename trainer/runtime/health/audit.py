@@ -78,10 +78,10 @@ class Audit:
             if multi and self.cfg.straggler_steps else None
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
         stretch = lambda s: hooks.current().stretch(s, env.rank, self.step)  # noqa: E731 - the compute slowdown fault
-        self.meter = Meter(model, optimizers, cfg.dist.strategy != "fsdp", device, stretch, wrapper=wrapper) \
+        self.meter = Meter(model, optimizers, not cfg.dist.sharded, device, stretch, wrapper=wrapper) \
             if self.detector else None
         self.replicas = multi and self.cfg.replicas_every_steps >= 0 and model is not None
-        if self.replicas and cfg.dist.strategy == "fsdp":
+        if self.replicas and cfg.dist.sharded:
             self.replicas = False
             say("audit: replica agreement is off under dist.strategy=fsdp (each rank holds its own shard, no replica)")
         self.replay = Replay(model, optimizers, env, self.cfg.replay_every_steps, device, self.nodes,
@@ -94,7 +94,7 @@ class Audit:
         key = "audit.replay_every_steps"
         if not cfg.audit.replay_every_steps:
             return
-        if env.world_size == 1 or cfg.dist.strategy == "fsdp" or model is None:
+        if env.world_size == 1 or cfg.dist.sharded or model is None:
             raise UserError(key, "needs DDP replicas: another process to compute each step again", "run 2 or more "
                             "processes with dist.strategy=ddp (and Session.wrap), or audit.replay_every_steps=0")
         if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
