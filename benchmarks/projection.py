@@ -83,8 +83,9 @@ def measured_phases(folder: Path) -> dict[str, float]:
 def project(gpus: int, measured: dict[str, float]) -> list[dict[str, Any]]:
     """ETTR of each recovery path at ``gpus`` GPUs. In place, the failures the survivors cover (``in_place``) cost a
     new group, a spare's fetch and the step in flight, with no process started (the state replicated: DDP, or HSDP's
-    replica groups); with snapshots, the failures they cover (``in_memory``) restore from memory; either way the
-    durable interval is chosen for the rest only (a two-level cadence), which restore from the durable checkpoint."""
+    replica groups); a sharded model (FSDP2) in place loads its newest snapshot instead, since no survivor holds the
+    lost shard; with snapshots, the failures they cover (``in_memory``) restore from memory; either way the durable
+    interval is chosen for the rest only (a two-level cadence), which restore from the durable checkpoint."""
     a = {k: v.value for k, v in AT_SCALE.items()}
     m, f = MEAN_TIME_TO_FAILURE_H[gpus] * 3600, a["in_memory"]
     node_gb = a["state_gb_per_gpu"] * a["gpus_per_node"]
@@ -96,17 +97,20 @@ def project(gpus: int, measured: dict[str, float]) -> list[dict[str, Any]]:
     down = {"memory": common + restore_memory, "disk": common + restore_disk,
             "queue": common + a["queue_s"] + restore_disk,
             "in place": a["detection_s"] + measured["regroup_s"] + a["nccl_init_s"] + node_gb / a["node_net_gb_s"]
-            + a["step_s"]}
+            + a["step_s"],
+            "sharded": a["detection_s"] + measured["regroup_s"] + a["nccl_init_s"] + restore_memory + a["step_s"]}
     out = []
     for name, first, share in (("in place, from the survivors' memory", "in place", a["in_place"]),
+                               ("in place, sharded (FSDP2): from a snapshot in node memory", "sharded", a["in_place"]),
                                ("in the allocation, from node memory", "memory", f),
                                ("in the allocation, from the durable checkpoint", "disk", 0.0),
                                ("requeued, from the durable checkpoint", "queue", 0.0)):
         durable_every = math.sqrt(2 * a["durable_stall_s"] * m / (1 - share))
         rest = "queue" if first == "queue" else "disk"
-        snapshots = first == "memory"
+        snapshots = first in ("memory", "sharded")
         overhead = a["durable_stall_s"] / durable_every + (snap_stall / snap_every if snapshots else 0.0)
-        redo = {"memory": snap_every / 2, "in place": a["step_s"] / 2}.get(first, durable_every / 2)
+        redo = {"memory": snap_every / 2, "sharded": snap_every / 2, "in place": a["step_s"] / 2}.get(
+            first, durable_every / 2)
         lost = share * (down[first] + redo) + (1 - share) * (down[rest] + durable_every / 2)
         out.append({"gpus": gpus, "path": name, "mttf_h": m / 3600, "downtime_s": down[first],
                     "recomputed_s": redo, "overhead": overhead, "ettr": 1 - overhead - lost / m})
@@ -136,10 +140,11 @@ def section(folder: Path) -> list[str]:
             "| mean time to failure | 7.9 h (1,024 GPUs), 1.8 h (16,384) | a job's, all causes | Kokolis et al., HPCA "
             "2025 (Meta) |"]
     out += [f"| {k} | {v.value:g} {v.unit} | {v.what} | {v.source} |" for k, v in AT_SCALE.items()]
-    out += ["", "What the model leaves out: the sharded state a lost rank held alone (FSDP2 without replicas: "
-            "recovery in place does not restore it yet, those jobs take the node-memory path), failures during a "
-            "recovery, a second node lost before the first is replaced (the partner's copy is then gone too: the "
-            "durable path), the queue wait of a busy partition (an "
+    out += ["", "A sharded model recovered in place is spared the start-up (`startup_s`), not the work since its "
+            "newest snapshot: no survivor holds the lost shard. Replicating shards across nodes (HSDP) would let it "
+            "recover from the survivors' memory as DDP does; the runtime does not offer HSDP yet.",
+            "", "What the model leaves out: failures during a recovery, a second node lost before the first is "
+            "replaced (the partner's copy is then gone too: the durable path), the queue wait of a busy partition (an "
             "hour at a site is ordinary: the requeued path only gets worse), and stragglers.", ""]
     return out
 
