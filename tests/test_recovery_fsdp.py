@@ -180,6 +180,7 @@ def test_a_sharded_group_that_went_on_smaller_grows_back(tmp_path: Path) -> None
     k, j = shrink["step"], grow["step"]
     assert (grow["lost"], grow["was"], grow["world_size"], grow["again"]) == ([], 2, 3, 0), grow
     assert f"grew back: warm spares joined, 2 → 3 processes go on from step {j}" in outs[0]
+    assert "(the sharded state of this step from a snapshot in node memory)" in outs[0], outs[0]
     _ranks(["dist.strategy=fsdp", f"run.dir={ref}", "--stop", str(k)], tmp_path, 3)
     _ranks(["dist.strategy=fsdp", f"run.dir={ref}", "--stop", str(j)], tmp_path, 2)
     _ranks(["dist.strategy=fsdp", f"run.dir={ref}"], tmp_path, 3)

@@ -294,13 +294,14 @@ def announce(emit: Callable[..., None], s: Setup, place: Place, lost: list[int],
     emit("regroup", durable=True, step=step, lost=lost, generation=place.generation, members=list(place.members),
          world_size=place.world_size, was=was, exact=exact, **times, total_s=round(total_s, 3),
          **({"again": again[0], "restored_from": again[1]} if again else {}))
+    source = {"memory": "a snapshot in node memory", "disk": "the checkpoint"}.get(again[1], "") if again else ""
     if not lost:
+        via = f" (the sharded state of this step from {source})" if again else ""
         s.say(f"grew back: warm spares joined, {was} → {place.world_size} processes go on from step {step} in "
-              f"{total_s:.2f} s")
+              f"{total_s:.2f} s{via}")
         return
     went = "a warm spare took the place: " if place.world_size >= was else ""
     size = f"{place.world_size} processes" if went else f"{place.world_size} of {was} processes"
-    source = {"memory": "a snapshot in node memory", "disk": "the checkpoint"}.get(again[1], "") if again else ""
     redo = f" ({again[0]} step(s) again: the lost shard came from {source})" if again else ""
     s.say(f"regrouped: {exits.names(lost)} lost; {went}{size} go on from step {step} in "
           f"{total_s:.2f} s{redo}")
