@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -184,3 +185,40 @@ def test_a_warm_spare_takes_the_lost_ranks_place(tmp_path: Path) -> None:
            [(0, 0, 3, (0, 2, 3)), (2, 1, 3, (0, 2, 3)), (3, 2, 3, (0, 2, 3))]
     assert [s["last_sum"] for s in seen] == [3.0, 3.0, 3.0]
     assert len({s["done"] for s in seen}) == 1  # the spare went on from where the survivors were
+
+
+def test_a_store_in_a_container_passes_its_actions_to_the_host_which_runs_them(tmp_path: Path) -> None:
+    """--actions-to: the store (in the image, without srun) writes each action to a FIFO; --actions-from: a torch-free
+    interpreter on the host runs it, with what the command needs (the lost rank's node, the store's address)."""
+    fifo, out = tmp_path / "actions", tmp_path / "out"
+    os.mkfifo(fifo)
+    torch_free = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'trainer.store'; "
+                  "runpy.run_module('trainer.store', run_name='__main__')")
+    host = subprocess.Popen([sys.executable, "-c", torch_free, "--actions-from", str(fifo), "--on-lost",
+                             f'echo "lost $TRAINER_LOST_RANK $TRAINER_LOST_NODE $TRAINER_REPLACEMENT $TRAINER_STORE" >> {out}',
+                             "--on-hang", f'echo "hung $TRAINER_HUNG_RANK $TRAINER_HUNG_NODE $TRAINER_HUNG_PID" >> {out}'],
+                            env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store_proc, ports = start_store(tmp_path / "port", env=clean_env(), cwd=ROOT, options=("--actions-to", str(fifo)))
+
+    def said(n: int) -> list[str]:
+        deadline = time.monotonic() + 60
+        while len(lines := (out.read_text().splitlines() if out.exists() else [])) < n:
+            assert time.monotonic() < deadline and host.poll() is None, f"the host ran {lines}"
+            time.sleep(0.05)
+        return lines
+
+    try:
+        client = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+        stuck = Presence("127.0.0.1", ports[1], 1, node="n2")
+        Presence("127.0.0.1", ports[1], 2, node="n3").sock.close()  # killed
+        assert said(1) == [f"lost 2 n3 1 {socket.gethostname()}:{ports[0]}:{ports[1]}"]
+        client.set("hung/0", "1")
+        client.add("hung/count", 1)
+        assert said(2)[1] == f"hung 1 n2 {os.getpid()}"
+        stuck.close()
+        client.wait(["ended/1"], timedelta(seconds=60))  # seen before the store stops
+    finally:
+        store_proc.terminate()
+        assert store_proc.wait(timeout=60) == 0
+        host.terminate()
+        assert host.wait(timeout=60) == 0, host.communicate()[0]

@@ -91,8 +91,11 @@ def test_golden_node_range(tmp_path: Path, launch: str) -> None:
     ("srun", {"nodes": 3, "min_nodes": 2, "spare_nodes": 1}, "range2-3-spare1"),
     ("srun", {"nodes": 3, "regroup": True}, "regroup3"),  # no restart: the survivors go on in place
     ("srun", {"nodes": 2, "spare_nodes": 1, "regroup": True}, "regroup-spare1"),  # a warm spare on the third node
+    # the store in the image, its actions run by the host's python3 (srun is the host's), passed on through a FIFO
+    ("srun", {"nodes": 2, "spare_nodes": 1, "regroup": True, "container.runtime": "apptainer",
+              "container.image": "/images/trainer.sif"}, "apptainer-regroup-spare1"),
 ])
-def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, int], name: str) -> None:
+def test_golden_in_place_restarts(tmp_path: Path, launch: str, sets: dict[str, object], name: str) -> None:
     """Spare nodes, and a node range with a spare: the batch script restarts inside its allocation."""
     p = load_profile("dev", {**sets, "launch": launch, "doctor": True})
     path, raw = GOLDEN / f"sbatch-{launch}-{name}.sh", sbatch_script(p, Trainer(tuple(HOSTILE)))
@@ -270,6 +273,7 @@ def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     (["storm_after=-1"], "profile.storm_after"),
     (["regroup=true", "launch=torchrun"], "profile.regroup"),
     (["regroup=true", "container.runtime=docker", "container.image=x"], "profile.regroup"),
+    (["regroup=true", "container.runtime=pyxis", "container.image=x"], "profile.regroup"),
 ])
 def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
     argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]

@@ -15,6 +15,10 @@ watchdog: ``hung/<k>``), with TRAINER_HUNG_RANK, TRAINER_HUNG_NODE and TRAINER_H
 it where it runs on this host. The commands still running when the store stops are ended with it. ``--live-file F``
 holds the number of processes training now (ranks, and spares a generation took in), rewritten as it changes: the
 batch script waits on it, since srun's step ends with its own tasks while the spares that took their places train on.
+
+Inside a container the store has torch but no ``srun``, and the batch host has ``srun`` but maybe no torch: the store
+then passes each action as one line to a FIFO (``--actions-to F``), and ``python3 -m trainer.store --actions-from F
+--on-lost CMD --on-hang CMD``, torch-free, runs them on the host.
 """
 
 from __future__ import annotations
@@ -148,6 +152,19 @@ class Actions:
         self.started.append(subprocess.Popen(["bash", "-c", command], start_new_session=True,
                                              env={**os.environ, **env, "TRAINER_STORE": self.address}))
 
+    def serve(self, fifo: Path) -> None:
+        """Run the actions a relayed store (``Relay``) writes to ``fifo``, one line each, until the process ends."""
+        fd = os.open(fifo, os.O_RDWR)  # a writer of our own: no end of file between the store's writes
+        with os.fdopen(fd, "rb", buffering=0) as lines:
+            for line in iter(lines.readline, b""):
+                what, *rest = line.decode(errors="replace").split()
+                if what == "address" and rest:
+                    self.address = rest[0]
+                elif what == "lost" and len(rest) == 2:
+                    self.lost(int(rest[0]), rest[1].removeprefix("node="))
+                elif what == "hung" and len(rest) == 3:
+                    self.hung(int(rest[0]), rest[1].removeprefix("node="), int(rest[2]))
+
     def stop(self, grace_s: float = 10.0) -> None:
         """End what still runs: at once where it waits (a released spare leaves by itself), else after ``grace_s``."""
         deadline = time.monotonic() + grace_s
@@ -158,6 +175,29 @@ class Actions:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()
+
+
+class Relay:
+    """A store's actions passed on as lines to ``fifo``, for ``Actions.serve`` on the batch host to run."""
+
+    def __init__(self, fifo: Path) -> None:
+        self.fifo = fifo
+
+    def tell(self, *words: object) -> None:
+        try:  # a line under PIPE_BUF bytes: written whole, never mixed with another
+            fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, (" ".join(map(str, words)) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            print(f"store: cannot pass {words[0]} on to {self.fifo}: {exc}", flush=True)
+
+    def lost(self, rank: int, node: str) -> None:
+        self.tell("lost", rank, f"node={node}")
+
+    def hung(self, rank: int, node: str, pid: int) -> None:
+        self.tell("hung", rank, f"node={node}", pid)
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -190,17 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--live-file", type=Path, help="hold the number of processes training now here")
     parser.add_argument("--on-hang", help="a shell command to kill a rank the others found stuck (TRAINER_HUNG_RANK, "
                         "TRAINER_HUNG_NODE, TRAINER_HUNG_PID); default: SIGKILL where it runs on this host")
+    parser.add_argument("--actions-to", type=Path, help="pass the actions on to this FIFO instead of running them")
+    parser.add_argument("--actions-from", type=Path, help="serve no store: run the actions a store passes on to this "
+                        "FIFO (--on-lost, --on-hang), until SIGTERM")
     args = parser.parse_args(argv)
+    done = {signal.SIGTERM, signal.SIGINT}
+    if args.actions_from:
+        return run_actions(args.actions_from, Actions(args.on_lost, args.on_hang), done)
     import torch.distributed as dist  # after parsing: --help needs no torch
 
     from trainer.core.files import write_atomic
 
-    done = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, done)  # before any thread: sigwait below takes them
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
                           timeout=timedelta(seconds=60))
     presence = socket.create_server((args.host, 0))
-    actions = Actions(args.on_lost, args.on_hang)
+    actions: Actions | Relay = Relay(args.actions_to) if args.actions_to else Actions(args.on_lost, args.on_hang)
     live_file = args.live_file
 
     def live(n: int) -> None:
@@ -210,10 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung, live), name="presence",
                      daemon=True).start()
     ports = f"{store.port} {presence.getsockname()[1]}"
-    actions.address = f"{args.host_name}:{ports.replace(' ', ':')}"
+    address = f"{args.host_name}:{ports.replace(' ', ':')}"
+    if isinstance(actions, Relay):
+        actions.tell("address", address)
+    else:
+        actions.address = address
     if args.port_file:
         write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
+    signal.sigwait(done)
+    if isinstance(actions, Actions):
+        actions.stop()
+    return 0
+
+
+def run_actions(fifo: Path, actions: Actions, done: set[signal.Signals]) -> int:
+    """``--actions-from``: run what the store passes on until SIGTERM or SIGINT, then end what still runs."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, done)
+    threading.Thread(target=actions.serve, args=(fifo,), name="actions", daemon=True).start()
+    print(f"store: running the actions passed on to {fifo}", flush=True)
     signal.sigwait(done)
     actions.stop()
     return 0

@@ -117,17 +117,27 @@ def _srun(p: Profile, python: str, keep: bool = False) -> tuple[str, str]:
     return srun, "python3" if inside else shlex.quote(python)
 
 
-def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
+def store_lines(python: str, max_failures: int, replace: str = "", inside: str = "", host: str = "") -> list[str]:
     """Start this attempt's store (``python -m trainer.store``) beside the batch shell, on the first node, and export
     where it serves as TRAINER_STORE; without it (it did not start) the attempt runs as any other. Recoveries in
     place count against ``max_failures`` (TRAINER_MAX_FAILURES). ``replace``: the training command (its overrides, not
     sbatch's, which follow): the store starts it as a warm spare on each lost rank's node (``--on-lost``), taken in at
-    a step boundary where the node still runs processes. A rank the others find stuck is killed there (``--on-hang``)."""
+    a step boundary where the node still runs processes. A rank the others find stuck is killed there (``--on-hang``).
+    ``inside``: the container prefix; the store then runs in the image, and the host's ``host`` runs its actions
+    (srun is the host's), which it passes on through a FIFO."""
     on_lost = ""
     if replace:
         srun = ('TRAINER_SPARE=$(( 1000 + TRAINER_REPLACEMENT )) srun --overlap --kill-on-bad-exit=0 --label --nodes=1 '
                 f'--ntasks=1 --nodelist="$TRAINER_LOST_NODE" {replace}')
         on_lost = " --on-lost \"$on_lost\""
+    actions = f'{on_lost} --on-hang "$on_hang"'
+    log, to = '>> "$RUN_DIR/store.log" 2>&1 &', ' --actions-to "$actions"'
+    relay = [
+        "# The store runs in the image, which has no srun: it passes each action on to the host through a FIFO.",
+        'actions="$store_file.actions" && rm -f "$actions" && mkfifo "$actions"',
+        f'{host} -m trainer.store --actions-from "$actions"{actions} {log}',
+        "actions_pid=$!",
+    ] if inside else []
     return [
         "# The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on",
         "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
@@ -139,9 +149,9 @@ def store_lines(python: str, max_failures: int, replace: str = "") -> list[str]:
         f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
         'store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}',
-        f'{shlex.quote(python)} -m trainer.store --port-file "$store_file" --live-file "$store_file.live" '
-        f'--host-name "$store_host"{on_lost} '
-        '--on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &',
+        *relay,
+        f'{inside + " python3" if inside else shlex.quote(python)} -m trainer.store --port-file "$store_file" '
+        f'--live-file "$store_file.live" --host-name "$store_host"{to if inside else actions} {log}',
         "store_pid=$!",
         'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
         'if read -r store_port presence_port 2>/dev/null < "$store_file"; then',
@@ -178,9 +188,12 @@ def launch_line(p: Profile, python: str, args: list[str], module: str = "trainer
     # The run folder and the warning signal reach the trainer as RUN_DIR and TRAINER_SIGNAL (run_dir_lines).
     overrides = "".join(f" {shlex.quote(a)}" for a in args) + (' "$@"' if user_args else "")
     if p.launch == "srun":
-        spares = spare_lines(p, f"{py} -m {module}{overrides}") if keep and p.spare_nodes else []
+        inside = container_prefix(p)
+        cmd = f"{inside} {py}" if inside else py
+        spares = spare_lines(p, f"{cmd} -m {module}{overrides}") if keep and p.spare_nodes else []
         fixed = "".join(f" {shlex.quote(a)}" for a in args)  # a replacement gets sbatch's overrides from the store line
-        store = store_lines(python, p.max_failures, f"{py} -m {module}{fixed}" if user_args else "") if keep else []
+        store = store_lines(python, p.max_failures, f"{cmd} -m {module}{fixed}" if user_args else "", inside,
+                            host_python(p, python)) if keep else []
         return [*store, *spares, f"{srun} {py} -m {module}{overrides}"]
     # One torchrun per node; c10d rendezvous on the first node, port derived as trainer/core/env.py does.
     # torchrun's agent has no handler for USR1/USR2 and would die of the warning signal: it ignores it
@@ -201,7 +214,7 @@ def command_line(p: Profile, python: str, words: list[str]) -> list[str]:
     variables, the warning signal) with ``words`` (its options, ``--``, the command); ``"$@"``: arguments given to
     sbatch, appended to the command."""
     srun, py = _srun(p, python, p.regroup)
-    store = store_lines(python, p.max_failures) if p.regroup else []
+    store = store_lines(python, p.max_failures, "", container_prefix(p), host_python(p, python)) if p.regroup else []
     return [*store, f'{srun} {py} -m trainer.launch {shlex.join(words)} "$@"']
 
 
@@ -274,6 +287,8 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
            "fi"] if p.regroup and p.spare_nodes else []),
         *(['[[ -z ${store_pid:-} ]] || kill "$store_pid" 2>/dev/null || true  # the attempt\'s store']
           if p.regroup else []),
+        *(['[[ -z ${actions_pid:-} ]] || { kill "$actions_pid" 2>/dev/null; rm -f "$actions"; }  # what ran its actions']
+          if p.regroup and p.container.runtime != "none" else []),
         'job_event job_end ", \\"code\\": $rc"',
         *([f'{python} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']
           if report else []),
