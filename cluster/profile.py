@@ -76,7 +76,7 @@ class Profile:
     regroup: bool = False
     """The job's store runs in a process of its own on the first node and srun keeps the step when a task dies
     (--kill-on-bad-exit=0): the survivors of a lost rank go on in place, in their own processes (Session.regroup).
-    srun launch; no container, or Apptainer."""
+    srun launch; no container, Apptainer or Docker (not pyxis)."""
     mtbf_hours: float = 24.0
     """Hours between failures of one node, the prior of `checkpoint.cadence=auto` (exported as TRAINER_MTBF_HOURS)."""
     suspect_hours: float = 24.0
@@ -198,11 +198,10 @@ def validate(p: Profile) -> None:
             raise bad(key, f"{value!r} is not a valid Slurm {key}", f"e.g. {key}: gpu")
     if p.launch not in ("srun", "torchrun"):
         raise bad("launch", f"must be srun or torchrun, got {p.launch!r}", "launch: srun")
-    if p.regroup and (p.launch != "srun" or p.container.runtime not in ("none", "apptainer")):
-        raise bad("regroup", f"needs launch: srun, and no container or Apptainer (got launch: {p.launch}, container: "
-                  f"{p.container.runtime}: docker gives the tasks process ids of their own, which a stuck rank is "
-                  "killed by; pyxis starts the image only through srun, the store runs beside the batch shell)",
-                  "regroup: false, or launch: srun with container: {runtime: apptainer} or {runtime: none}")
+    if p.regroup and (p.launch != "srun" or p.container.runtime == "pyxis"):
+        raise bad("regroup", f"needs launch: srun, and no container, Apptainer or Docker (got launch: {p.launch}, "
+                  f"container: {p.container.runtime}; pyxis starts the image only through srun, and the job's store "
+                  "runs beside the batch shell)", "regroup: false, or launch: srun with container: {runtime: apptainer}")
     if p.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
         raise bad("signal", f"unsupported signal {p.signal!r}", "signal: USR2 (USR1 may be taken by NCCL)")
     if p.container.runtime not in ("none", "apptainer", "pyxis", "docker"):

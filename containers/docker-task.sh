@@ -11,7 +11,8 @@ shift
 image=$1
 shift
 engine=${CONTAINER_ENGINE:-docker}
-name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-0}-${SLURM_PROCID:-0}"
+# The batch shell has no step id: its container (the job's store) must not take the name of step 0's first task.
+name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-batch}-${SLURM_PROCID:-0}"
 
 # A container's /etc/hosts is the engine's, not this node's: hand the trainer the first node's address.
 if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
@@ -19,6 +20,12 @@ if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontro
     MASTER_ADDR=$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}') ||
         { echo "error: MASTER_ADDR: node $head does not resolve on $(hostname)" >&2; exit 2; }
     export MASTER_ADDR
+fi
+# The job's store (TRAINER_STORE=HOST:PORT:PORT) likewise, by this node's address for its host.
+if [[ -n ${TRAINER_STORE:-} ]]; then
+    store_addr=$(getent ahostsv4 "${TRAINER_STORE%%:*}" | awk 'NR == 1 {print $1}') ||
+        { echo "error: TRAINER_STORE: ${TRAINER_STORE%%:*} does not resolve on $(hostname)" >&2; exit 2; }
+    TRAINER_STORE="$store_addr:${TRAINER_STORE#*:}"
 fi
 
 # What the trainer reads to find its place (trainer/core/env.py TRAINER_VARIABLES; a test keeps the lists equal),
@@ -45,13 +52,18 @@ elif [[ ${SLURM_GPUS_ON_NODE:-0} != 0 ]]; then
     gpu_args=(--gpus all)
 fi
 
+# A job that regroups in place (TRAINER_STORE) kills a stuck rank by the process id the rank reports, on its node:
+# the container shares the host's process ids then. Its init is then no PID 1, and says so unless it is a subreaper.
+pid_args=()
+if [[ -n ${TRAINER_STORE:-} ]]; then pid_args=(--pid=host -e TINI_SUBREAPER=1); fi
+
 # A container left by a task that was SIGKILLed (its EXIT trap never ran) would block the name.
 "$engine" rm -f "$name" >/dev/null 2>&1 || true
 
 # The working folder is mounted at the same path, so relative run folders and logs land on the host.
 # The engine's init (tini) passes a signal to its child only; TINI_KILL_PROCESS_GROUP makes it signal the child's
 # whole process group, as Slurm does outside a container (a command under `python -m trainer.launch` gets it too).
-"$engine" run --rm --init -e TINI_KILL_PROCESS_GROUP=1 --name "$name" --network host --ipc=host "${gpu_args[@]}" \
+"$engine" run --rm --init -e TINI_KILL_PROCESS_GROUP=1 --name "$name" --network host --ipc=host "${pid_args[@]}" "${gpu_args[@]}" \
     --user "$(id -u):$(id -g)" -e HOME=/tmp -v "$PWD:$PWD" -w "$PWD" "${opts[@]}" \
     "${env_args[@]}" --entrypoint "" "$image" "$@" &
 child=$!

@@ -6,13 +6,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, SMALL, exported, faults, held
-from .test_slurm import cluster_cmd, job_id_of, job_state, slurm_env, wait_for
+from .conftest import ROOT, SMALL, exported, faults, go, held
+from .test_slurm import cluster_cmd, job_id_of, job_runs, job_state, slurm_env, wait_for
 
 __all__ = ["slurm_env"]  # the fixture, imported for the Slurm tests below
 
@@ -104,6 +105,34 @@ def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, st
     wait_for(lambda: containers() == [], timeout=120, what="the containers to be removed")
     wait_for(lambda: job_state(job, env) in ("CANCELLED", "CANCELLED+"), timeout=120, what="CANCELLED")
     assert containers() == []  # none started after the job's end either
+
+
+def test_a_stopped_rank_in_docker_is_killed_by_the_host_and_the_others_go_on_in_place(
+        image: str, engine_env: dict[str, str], slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """regroup: true in the image on three nodes: rank 2's python3 SIGSTOPped from outside. The job's store runs in a
+    container of its own and passes the others' request to kill the stuck rank on to the batch host, which kills it on
+    its node by the process id it reported (a regrouping job's containers share the host's). The two others go on in
+    place, and the job finishes in one attempt of Slurm's, leaving no container behind."""
+    from .test_healing import SLOW, events, finished, kill_rank, submit
+
+    run = tmp_path / "run"
+    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")},
+           **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "s.json")}
+    job = submit(env, "sbatch", [*SLOW, "dist.heartbeat_timeout_s=4", f"run.dir={run}"],
+                 ["container.runtime=docker", f"container.image={image}", "nodes=3", "regroup=true"])
+    held(run, ranks=3)
+    node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
+    go(run)
+    result = finished(run, job, env)
+    assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
+    assert len(set(result["param_checksums"])) == 1, result
+    [regroup] = events(run, "regroup")
+    assert (regroup["lost"], regroup["step"]) == ([2], 5), regroup
+    log = (run / "store.log").read_text()
+    assert f"store: rank 2 on {node}" in log and "is stuck" in log and f"store: rank 2 lost on {node}" in log, log
+    assert job_runs(job, env) == ["COMPLETED"]
+    wait_for(lambda: not docker(["ps", "-a", "-q", "--filter", f"name=train-{job}-"], env).stdout.split(),
+             timeout=120, what="the job's containers (the store's too) to be removed")
 
 
 def test_commands_run_in_the_image_and_get_the_warning_through_its_init(
