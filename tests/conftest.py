@@ -321,8 +321,9 @@ CLUSTER_SECONDS = {
     "tests/test_doctor.py": 22, "tests/test_pyxis.py": 1,  # skipped: no pyxis in CI
 }
 """Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-28 on b70fa6c, the line CI prints after
-the xdist workers' line; test_apptainer.py and test_docker.py with their regroup tests, 40 and 20 s more), to share the files out so the clusters
-finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
+the xdist workers' line; test_apptainer.py and test_docker.py with their regroup tests, 40 and 20 s more), to share
+the files out so the clusters finish together; a file not listed counts 40 s a test. Only the balance depends on
+them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
