@@ -135,3 +135,27 @@ def test_a_run_that_takes_snapshots_clears_a_dead_jobs_folder(tmp_path: Path) ->
     ok(run_trainer(args, tmp_path, env={"TRAINER_MEMORY_DIR": str(shm)}))
     assert not dead.parent.exists()
     assert list((shm / f"trainer-snapshots-{os.getuid()}").iterdir()) == [], "the finished run cleared its own"
+
+
+def test_a_sweep_that_lost_a_race_to_another_leaves_the_folder_made_again_alone(
+        tmp_path: Path, holders: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sweeps of one node's root: B opens a dead folder's lease; before B locks it, A removes the folder and the
+    job's next attempt makes it again, with a lease of its own. B then locks the old lease file, which nobody holds:
+    it must see that the file is no longer the folder's, and leave the live folder alone."""
+    root, t0 = tmp_path / "trainer-snapshots-0", 1_000_000.0
+    folder = snapshot(root / "1-a.0" / "n1")
+    (folder / lease.LEASE).touch()
+    aged(folder, t0)
+    later, nobody = t0 + 2 * lease.GRACE_S, root / "x" / "y"
+    real_flock, raced = fcntl.flock, []
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_EX | fcntl.LOCK_NB and not raced:  # B, between its open and its lock
+            raced.append(True)
+            assert lease.sweep(root, nobody, now=later) == (1, 1000)  # A
+            hold(holders, folder)  # the next attempt
+        real_flock(fd, op)
+
+    monkeypatch.setattr(lease.fcntl, "flock", flock)
+    assert lease.sweep(root, nobody, now=later) == (0, 0)  # B
+    assert raced and folder.is_dir() and (folder / lease.LEASE).is_file()

@@ -45,18 +45,27 @@ def hold(folder: Path) -> None:
                 fd = os.open(folder / LEASE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except FileNotFoundError:
                 continue
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a sweep holds it to remove the folder
             try:
-                same = os.stat(folder / LEASE).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.utime(fd)
-                _held[folder] = fd
-                _start_renewing()
-                return
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a sweep holds it to remove the folder
+                if _current(folder, fd):
+                    os.utime(fd)
+                    _held[folder] = fd
+                    _start_renewing()
+                    return
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
         raise OSError(f"could not hold a lease on {folder}: it was removed each time")
+
+
+def _current(folder: Path, fd: int) -> bool:
+    """Whether ``fd`` is still ``folder``'s lease file (a sweep may have renamed the folder away meanwhile)."""
+    try:
+        now, mine = os.stat(folder / LEASE), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def release(folder: Path) -> None:
@@ -120,7 +129,8 @@ def _remove_if_dead(folder: Path, root: Path, now: float, grace_s: float) -> int
     try:
         fd = os.open(folder / LEASE, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:  # made before leases, or whose maker has not opened its lease yet: its age decides
-        return _move_and_delete(folder, root) if _idle(folder, now, grace_s) else None
+        moved = _move(folder, root) if _idle(folder, now, grace_s) else None
+        return None if moved is None else _delete(moved)
     except OSError:
         return None
     try:
@@ -128,11 +138,14 @@ def _remove_if_dead(folder: Path, root: Path, now: float, grace_s: float) -> int
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return None  # held: a live process uses it
-        if now - os.fstat(fd).st_mtime <= grace_s:
+        # Another sweep may have moved this folder away after our open, and a new holder made it again: the file
+        # locked is then an old one, and the folder at this path is not what it tells about.
+        if not _current(folder, fd) or now - os.fstat(fd).st_mtime <= grace_s:
             return None
-        return _move_and_delete(folder, root)
+        moved = _move(folder, root)
     finally:
-        os.close(fd)
+        os.close(fd)  # before the delete: a holder waiting for the lock need not wait for it
+    return None if moved is None else _delete(moved)
 
 
 def _idle(folder: Path, now: float, grace_s: float) -> bool:
@@ -144,14 +157,14 @@ def _idle(folder: Path, now: float, grace_s: float) -> bool:
     return now - newest > grace_s
 
 
-def _move_and_delete(folder: Path, root: Path) -> int | None:
-    """Rename ``folder`` away under ``root`` (atomic), then delete it; the bytes it held (None: it could not move)."""
+def _move(folder: Path, root: Path) -> Path | None:
+    """Rename ``folder`` away under ``root`` (atomic); where it went, or None when it could not move."""
     target = root / f"{SWEPT}{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(folder, target)
     except OSError:
         return None
-    return _delete(target)
+    return target
 
 
 def _delete(folder: Path) -> int:
