@@ -11,8 +11,9 @@ shift
 image=$1
 shift
 engine=${CONTAINER_ENGINE:-docker}
-# The batch shell has no step id: its container (the job's store) must not take the name of step 0's first task.
-name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-batch}-${SLURM_PROCID:-0}"
+# The batch shell has no step id: its container (the job's store) must not take the name of step 0's first task, nor
+# that of the attempt before (whose wrapper may still be removing its own).
+name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-batch${TRAINER_ATTEMPT:+-$TRAINER_ATTEMPT}}-${SLURM_PROCID:-0}"
 
 # A container's /etc/hosts is the engine's, not this node's: hand the trainer the first node's address.
 if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then

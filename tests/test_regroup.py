@@ -212,6 +212,8 @@ def test_a_store_in_a_container_passes_its_actions_to_the_host_which_runs_them(t
         stuck = Presence("127.0.0.1", ports[1], 1, node="n2")
         Presence("127.0.0.1", ports[1], 2, node="n3").sock.close()  # killed
         assert said(1) == [f"lost 2 n3 1 {socket.gethostname()}:{ports[0]}:{ports[1]}"]
+        with open(fifo, "w") as garbled:  # lines that say nothing to do do not stop the host's side
+            garbled.write("nonsense\ndo=lost rank=two\n\n")
         client.set("hung/0", "1")
         client.add("hung/count", 1)
         assert said(2)[1] == f"hung 1 n2 {os.getpid()}"

@@ -465,3 +465,18 @@ def test_the_previous_releases_other_entry_points_still_answer(tmp_path: Path) -
     assert b"ccluster.task\nTrainTask" in old
     task = pickle.loads(old)
     assert isinstance(task, TrainTask) and task.args == ["optim.lr=0.1"]
+
+
+def test_a_job_whose_run_folder_takes_no_fifo_runs_without_a_store_in_a_container() -> None:
+    """In an image the store passes its actions to the host through a FIFO in the run folder; where none can be made,
+    the attempt gets no store (a lost rank restarts it, as without regroup), one note, and the script goes on under
+    `set -e`."""
+    from cluster.launch.render import store_lines
+
+    lines = store_lines("/venv/python", 3, "", "/bin/false", "python3")
+    script = "\n".join(["set -euo pipefail", "scontrol() { echo n1; }", "RUN_DIR=/nonexistent-run-dir",
+                        "SLURM_JOB_NODELIST=n1", *lines,
+                        'echo "store_pid=[$store_pid] TRAINER_STORE=[${TRAINER_STORE:-}]"'])
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "store_pid=[] TRAINER_STORE=[]\n", out.stdout + out.stderr
+    assert "note: the job's store did not start" in out.stderr

@@ -157,13 +157,15 @@ class Actions:
         fd = os.open(fifo, os.O_RDWR)  # a writer of our own: no end of file between the store's writes
         with os.fdopen(fd, "rb", buffering=0) as lines:
             for line in iter(lines.readline, b""):
-                what, *rest = line.decode(errors="replace").split()
-                if what == "address" and rest:
-                    self.address = rest[0]
-                elif what == "lost" and len(rest) == 2:
-                    self.lost(int(rest[0]), rest[1].removeprefix("node="))
-                elif what == "hung" and len(rest) == 3:
-                    self.hung(int(rest[0]), rest[1].removeprefix("node="), int(rest[2]))
+                words = dict(w.split("=", 1) for w in line.decode(errors="replace").split() if "=" in w)
+                try:
+                    self.address = words.get("address", self.address)
+                    if words.get("do") == "lost":
+                        self.lost(int(words["rank"]), words.get("node", ""))
+                    elif words.get("do") == "hung":
+                        self.hung(int(words["rank"]), words.get("node", ""), int(words["pid"]))
+                except (KeyError, ValueError):
+                    print(f"store: a line passed on that says nothing to do: {line[:200]!r}", flush=True)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End what still runs: at once where it waits (a released spare leaves by itself), else after ``grace_s``."""
@@ -182,22 +184,26 @@ class Relay:
 
     def __init__(self, fifo: Path) -> None:
         self.fifo = fifo
+        self.address = ""
+        """The store's own, passed on with every action (the host's side may have opened the FIFO only since)."""
 
-    def tell(self, *words: object) -> None:
-        try:  # a line under PIPE_BUF bytes: written whole, never mixed with another
+    def tell(self, **words: object) -> None:
+        """One line of ``key=value`` words (under PIPE_BUF bytes: written whole, never mixed with another)."""
+        line = " ".join(f"{k}={v}" for k, v in {**words, "address": self.address}.items() if v != "")
+        try:
             fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
             try:
-                os.write(fd, (" ".join(map(str, words)) + "\n").encode())
+                os.write(fd, (line + "\n").encode())
             finally:
                 os.close(fd)
         except OSError as exc:
-            print(f"store: cannot pass {words[0]} on to {self.fifo}: {exc}", flush=True)
+            print(f"store: cannot pass {words.get('do')} on to {self.fifo}: {exc}", flush=True)
 
     def lost(self, rank: int, node: str) -> None:
-        self.tell("lost", rank, f"node={node}")
+        self.tell(do="lost", rank=rank, node=node)
 
     def hung(self, rank: int, node: str, pid: int) -> None:
-        self.tell("hung", rank, f"node={node}", pid)
+        self.tell(do="hung", rank=rank, node=node, pid=pid)
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -255,11 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung, live), name="presence",
                      daemon=True).start()
     ports = f"{store.port} {presence.getsockname()[1]}"
-    address = f"{args.host_name}:{ports.replace(' ', ':')}"
-    if isinstance(actions, Relay):
-        actions.tell("address", address)
-    else:
-        actions.address = address
+    actions.address = f"{args.host_name}:{ports.replace(' ', ':')}"
     if args.port_file:
         write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)

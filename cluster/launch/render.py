@@ -131,13 +131,18 @@ def store_lines(python: str, max_failures: int, replace: str = "", inside: str =
                 f'--ntasks=1 --nodelist="$TRAINER_LOST_NODE" {replace}')
         on_lost = " --on-lost \"$on_lost\""
     actions = f'{on_lost} --on-hang "$on_hang"'
-    log, to = '>> "$RUN_DIR/store.log" 2>&1 &', ' --actions-to "$actions"'
-    relay = [
-        "# The store runs in the image, which has no srun: it passes each action on to the host through a FIFO.",
-        'actions="$store_file.actions" && rm -f "$actions" && mkfifo "$actions"',
-        f'{host} -m trainer.store --actions-from "$actions"{actions} {log}',
-        "actions_pid=$!",
-    ] if inside else []
+    log = '>> "$RUN_DIR/store.log" 2>&1 &'
+    serve = '-m trainer.store --port-file "$store_file" --live-file "$store_file.live" --host-name "$store_host"'
+    start = [f"{shlex.quote(python)} {serve}{actions} {log}", "store_pid=$!"] if not inside else [
+        "# The store runs in the image, which has no srun: its actions go to the host through a FIFO (none: no store).",
+        'actions="$store_file.actions" && rm -f "$actions" && store_pid="" actions_pid=""',
+        'if mkfifo "$actions"; then',
+        f'  {host} -m trainer.store --actions-from "$actions"{actions} {log}',
+        "  actions_pid=$!",
+        f'  {inside} python3 {serve} --actions-to "$actions" {log}',
+        "  store_pid=$!",
+        "fi",
+    ]
     return [
         "# The job's store in a process of its own (profile regroup: true): when a rank is lost, the others regroup on",
         "# it and go on in their processes; srun keeps the step (--kill-on-bad-exit=0), the verdict reads every rank.",
@@ -149,11 +154,8 @@ def store_lines(python: str, max_failures: int, replace: str = "", inside: str =
         f"unset TRAINER_STORE; export TRAINER_MAX_FAILURES={max_failures}",
         'store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}',
-        *relay,
-        f'{inside + " python3" if inside else shlex.quote(python)} -m trainer.store --port-file "$store_file" '
-        f'--live-file "$store_file.live" --host-name "$store_host"{to if inside else actions} {log}',
-        "store_pid=$!",
-        'for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done',
+        *start,
+        'for _ in $(seq 600); do [[ -s $store_file || -z $store_pid ]] && break; sleep 0.1; done',
         'if read -r store_port presence_port 2>/dev/null < "$store_file"; then',
         '  export TRAINER_STORE="$store_host:$store_port:$presence_port"',
         "else",
@@ -287,7 +289,7 @@ def requeue_rule(p: Profile, python: str, report: bool = False) -> list[str]:
            "fi"] if p.regroup and p.spare_nodes else []),
         *(['[[ -z ${store_pid:-} ]] || kill "$store_pid" 2>/dev/null || true  # the attempt\'s store']
           if p.regroup else []),
-        *(['[[ -z ${actions_pid:-} ]] || { kill "$actions_pid" 2>/dev/null; rm -f "$actions"; }  # what ran its actions']
+        *(['[[ -z ${actions_pid:-} ]] || { kill "$actions_pid" 2>/dev/null || true; rm -f "$actions"; }  # its actions\' runner']
           if p.regroup and p.container.runtime != "none" else []),
         'job_event job_end ", \\"code\\": $rc"',
         *([f'{python} -m trainer.report "$RUN_DIR" >/dev/null 2>&1 || true  # the attempts as this shell saw them']

@@ -59,13 +59,15 @@ on_hang='srun --overlap --nodes=1 --ntasks=1 --nodelist="$TRAINER_HUNG_NODE" kil
 unset TRAINER_STORE; export TRAINER_MAX_FAILURES=3
 store_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}
-# The store runs in the image, which has no srun: it passes each action on to the host through a FIFO.
-actions="$store_file.actions" && rm -f "$actions" && mkfifo "$actions"
-PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m trainer.store --actions-from "$actions" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
-actions_pid=$!
-<cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -- trainer:1 python3 -m trainer.store --port-file "$store_file" --live-file "$store_file.live" --host-name "$store_host" --actions-to "$actions" >> "$RUN_DIR/store.log" 2>&1 &
-store_pid=$!
-for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done
+# The store runs in the image, which has no srun: its actions go to the host through a FIFO (none: no store).
+actions="$store_file.actions" && rm -f "$actions" && store_pid="" actions_pid=""
+if mkfifo "$actions"; then
+  PYTHONPATH="${SLURM_SUBMIT_DIR:-$PWD}" python3 -m trainer.store --actions-from "$actions" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
+  actions_pid=$!
+  <cwd>/containers/docker-task.sh -v "$RUN_DIR:$RUN_DIR" -- trainer:1 python3 -m trainer.store --port-file "$store_file" --live-file "$store_file.live" --host-name "$store_host" --actions-to "$actions" >> "$RUN_DIR/store.log" 2>&1 &
+  store_pid=$!
+fi
+for _ in $(seq 600); do [[ -s $store_file || -z $store_pid ]] && break; sleep 0.1; done
 if read -r store_port presence_port 2>/dev/null < "$store_file"; then
   export TRAINER_STORE="$store_host:$store_port:$presence_port"
 else
@@ -77,7 +79,7 @@ srun --kill-on-bad-exit=0 --label <cwd>/containers/docker-task.sh -v "$RUN_DIR:$
 # counts processes training, the attempt goes on
 while [[ -n ${store_pid:-} && $(cat "$store_file.live" 2>/dev/null) =~ ^[1-9] ]] && kill -0 "$store_pid" 2>/dev/null; do sleep 0.2; done
 [[ -z ${store_pid:-} ]] || kill "$store_pid" 2>/dev/null || true  # the attempt's store
-[[ -z ${actions_pid:-} ]] || { kill "$actions_pid" 2>/dev/null; rm -f "$actions"; }  # what ran its actions
+[[ -z ${actions_pid:-} ]] || { kill "$actions_pid" 2>/dev/null || true; rm -f "$actions"; }  # its actions' runner
 job_event job_end ", \"code\": $rc"
 # Finished, preempted (saved: requeue), the user's error (stop), or the cluster's (blame, exclude, requeue).
 trap '' TERM

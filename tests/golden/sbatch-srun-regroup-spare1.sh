@@ -68,7 +68,7 @@ while :; do
   store_file="$RUN_DIR/.store-${TRAINER_ATTEMPT:-${SLURM_RESTART_COUNT:-0}}" && rm -f "$store_file"{,.live}
   <python> -m trainer.store --port-file "$store_file" --live-file "$store_file.live" --host-name "$store_host" --on-lost "$on_lost" --on-hang "$on_hang" >> "$RUN_DIR/store.log" 2>&1 &
   store_pid=$!
-  for _ in $(seq 600); do [[ -s $store_file ]] && break; sleep 0.1; done
+  for _ in $(seq 600); do [[ -s $store_file || -z $store_pid ]] && break; sleep 0.1; done
   if read -r store_port presence_port 2>/dev/null < "$store_file"; then
     export TRAINER_STORE="$store_host:$store_port:$presence_port"
   else
