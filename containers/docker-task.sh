@@ -15,18 +15,18 @@ engine=${CONTAINER_ENGINE:-docker}
 # that of the attempt before (whose wrapper may still be removing its own).
 name="train-${SLURM_JOB_ID:-0}-${SLURM_STEP_ID:-batch${TRAINER_ATTEMPT:+-$TRAINER_ATTEMPT}}-${SLURM_PROCID:-0}"
 
-# A container's /etc/hosts is the engine's, not this node's: hand the trainer the first node's address.
+# A container's /etc/hosts is the engine's, not this node's: hand the trainer addresses, not node names.
+address() {  # address VARIABLE HOST: HOST's IPv4 address as this node resolves it, or exit 2 naming VARIABLE
+    getent ahostsv4 "$2" | awk 'NR == 1 {print $1}' ||
+        { echo "error: $1: node $2 does not resolve on $(hostname)" >&2; exit 2; }
+}
 if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
     head=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
-    MASTER_ADDR=$(getent ahostsv4 "$head" | awk 'NR == 1 {print $1}') ||
-        { echo "error: MASTER_ADDR: node $head does not resolve on $(hostname)" >&2; exit 2; }
+    MASTER_ADDR=$(address MASTER_ADDR "$head")
     export MASTER_ADDR
 fi
-# The job's store (TRAINER_STORE=HOST:PORT:PORT) likewise, by this node's address for its host.
-if [[ -n ${TRAINER_STORE:-} ]]; then
-    store_addr=$(getent ahostsv4 "${TRAINER_STORE%%:*}" | awk 'NR == 1 {print $1}') ||
-        { echo "error: TRAINER_STORE: ${TRAINER_STORE%%:*} does not resolve on $(hostname)" >&2; exit 2; }
-    TRAINER_STORE="$store_addr:${TRAINER_STORE#*:}"
+if [[ -n ${TRAINER_STORE:-} ]]; then  # the job's store: HOST:PORT:PORT
+    TRAINER_STORE="$(address TRAINER_STORE "${TRAINER_STORE%%:*}"):${TRAINER_STORE#*:}"
 fi
 
 # What the trainer reads to find its place (trainer/core/env.py TRAINER_VARIABLES; a test keeps the lists equal),

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, SMALL, exported, faults, go, held
-from .test_docker import engine_env, image
+from .test_docker import a_stopped_rank_is_killed_by_the_host_and_the_others_go_on, engine_env, image
 from .test_healing import events, excluded, finished, kill_rank, submit
-from .test_slurm import cluster_cmd, job_runs, sh, slurm_env
+from .test_slurm import cluster_cmd, sh, slurm_env
 
 __all__ = ["engine_env", "image", "slurm_env"]  # the fixtures, shared
 
@@ -119,26 +119,8 @@ def test_a_job_in_apptainer_loses_a_rank_then_is_preempted_and_ends_as_if_uninte
 
 def test_a_stopped_rank_in_apptainer_is_killed_by_the_host_and_the_others_go_on_in_place(
         sif: Path, apptainer_env: dict[str, str], tmp_path: Path) -> None:
-    """regroup: true inside the image on three nodes: rank 2's python3 SIGSTOPped from outside. The job's store runs
-    in the image, which has no srun: it passes the others' request to kill the stuck rank on to the batch host, whose
-    python3 runs srun there (the rank's process id is the host's: Apptainer gives it no namespace of its own). The two
-    others go on in place, and the job finishes in one attempt of Slurm's."""
-    run = tmp_path / "run"
-    env = {**apptainer_env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "s.json")}
-    job = submit(env, "sbatch", [*SLOW, "dist.heartbeat_timeout_s=4", f"run.dir={run}"],
-                 [*inside(sif), "nodes=3", "regroup=true"])
-    held(run, ranks=3)
-    node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
-    go(run)
-    result = finished(run, job, env)
-    assert result["outcome"] == "finished" and result["world_size"] == 2 and not result["resumed_from"], result
-    assert len(set(result["param_checksums"])) == 1, result
-    [regroup] = events(run, "regroup")
-    assert (regroup["lost"], regroup["step"]) == ([2], 5), regroup
-    log = (run / "store.log").read_text()
-    assert f"store: rank 2 on {node}" in log and "is stuck" in log, log  # said by the host's side, which killed it
-    assert f"store: rank 2 lost on {node}" in log, log  # a replacement asked for, on the host too
-    assert job_runs(job, env) == ["COMPLETED"]
+    """The rank's process id is the host's: Apptainer gives it no namespace of its own."""
+    a_stopped_rank_is_killed_by_the_host_and_the_others_go_on(inside(sif), apptainer_env, tmp_path)
 
 
 def test_a_command_and_the_doctor_run_in_apptainer(sif: Path, apptainer_env: dict[str, str], tmp_path: Path) -> None:

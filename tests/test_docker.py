@@ -107,19 +107,18 @@ def test_scancel_leaves_no_container_behind(image: str, engine_env: dict[str, st
     assert containers() == []  # none started after the job's end either
 
 
-def test_a_stopped_rank_in_docker_is_killed_by_the_host_and_the_others_go_on_in_place(
-        image: str, engine_env: dict[str, str], slurm_env: dict[str, str], tmp_path: Path) -> None:
-    """regroup: true in the image on three nodes: rank 2's python3 SIGSTOPped from outside. The job's store runs in a
-    container of its own and passes the others' request to kill the stuck rank on to the batch host, which kills it on
-    its node by the process id it reported (a regrouping job's containers share the host's). The two others go on in
-    place, and the job finishes in one attempt of Slurm's, leaving no container behind."""
+def a_stopped_rank_is_killed_by_the_host_and_the_others_go_on(settings: list[str], env: dict[str, str],
+                                                               tmp_path: Path) -> str:
+    """regroup: true in the image the container ``settings`` name, on three nodes: rank 2's python3 SIGSTOPped from
+    outside. The job's store runs in the image, which has no srun: it passes the others' request to kill the stuck
+    rank on to the batch host, whose python3 runs srun there, by the process id the rank reported (the host's). The
+    two others go on in place, and the job finishes in one attempt of Slurm's; its id."""
     from .test_healing import SLOW, events, finished, kill_rank, submit
 
     run = tmp_path / "run"
-    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")},
-           **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "s.json")}
+    env = {**env, **faults(at={"0": {"wait_at_step": 4}}), "TRAINER_SUSPECTS": str(tmp_path / "s.json")}
     job = submit(env, "sbatch", [*SLOW, "dist.heartbeat_timeout_s=4", f"run.dir={run}"],
-                 ["container.runtime=docker", f"container.image={image}", "nodes=3", "regroup=true"])
+                 [*settings, "nodes=3", "regroup=true"])
     held(run, ranks=3)
     node = kill_rank(job, 2, 0, sig=signal.SIGSTOP)
     go(run)
@@ -129,8 +128,19 @@ def test_a_stopped_rank_in_docker_is_killed_by_the_host_and_the_others_go_on_in_
     [regroup] = events(run, "regroup")
     assert (regroup["lost"], regroup["step"]) == ([2], 5), regroup
     log = (run / "store.log").read_text()
-    assert f"store: rank 2 on {node}" in log and "is stuck" in log and f"store: rank 2 lost on {node}" in log, log
+    assert f"store: rank 2 on {node}" in log and "is stuck" in log, log  # said by the host's side, which killed it
+    assert f"store: rank 2 lost on {node}" in log, log  # a replacement asked for, on the host too
     assert job_runs(job, env) == ["COMPLETED"]
+    return job
+
+
+def test_a_stopped_rank_in_docker_is_killed_by_the_host_and_the_others_go_on_in_place(
+        image: str, engine_env: dict[str, str], slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """As in Apptainer, a regrouping job's containers sharing the host's process ids; no container is left behind,
+    the store's included."""
+    env = {**slurm_env, **{k: v for k, v in engine_env.items() if k.startswith("DOCKER_")}}
+    job = a_stopped_rank_is_killed_by_the_host_and_the_others_go_on(
+        ["container.runtime=docker", f"container.image={image}"], env, tmp_path)
     wait_for(lambda: not docker(["ps", "-a", "-q", "--filter", f"name=train-{job}-"], env).stdout.split(),
              timeout=120, what="the job's containers (the store's too) to be removed")
 

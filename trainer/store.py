@@ -157,7 +157,7 @@ class Actions:
         fd = os.open(fifo, os.O_RDWR)  # a writer of our own: no end of file between the store's writes
         with os.fdopen(fd, "rb", buffering=0) as lines:
             for line in iter(lines.readline, b""):
-                words = dict(w.split("=", 1) for w in line.decode(errors="replace").split() if "=" in w)
+                _, words, _ = hello(line)  # the same key=value words a presence connection says
                 try:
                     self.address = words.get("address", self.address)
                     if words.get("do") == "lost":
@@ -204,6 +204,9 @@ class Relay:
 
     def hung(self, rank: int, node: str, pid: int) -> None:
         self.tell(do="hung", rank=rank, node=node, pid=pid)
+
+    def stop(self) -> None:
+        """Nothing runs here: what the host's side started ends with it."""
 
 
 def start(port_file: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -266,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
     signal.sigwait(done)
-    if isinstance(actions, Actions):
-        actions.stop()
+    actions.stop()
     return 0
 
 
