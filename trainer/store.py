@@ -43,15 +43,15 @@ from trainer.core.exits import SPARE_BASE, node_name
 
 def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, str], None] = lambda r, n: None,
                    on_hung: Callable[[int, str, int], None] = lambda r, n, p: None,
-                   on_live: Callable[[int], None] = lambda n: None) -> None:
+                   on_live: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> None:
     """Accept presence connections; a rank whose connection ends without ``done`` is lost (``on_lost(rank, node)``).
     Between events, the ranks the others asked to have killed (``hung/<k>``, stuck): ``on_hung(rank, node, pid)``;
-    and ``on_live(n)`` whenever the number of processes training (``training``) changes."""
+    and ``on_live(n)`` whenever the number of processes training (``training``) changes. Until ``stop`` is set."""
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     seen: dict[socket.socket, bytes] = {}
     asked, live = 0, -1
-    while True:
+    while not (stop and stop.is_set()):
         for key, _ in sel.select(timeout=0.2):
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
             if sock is server:
@@ -261,14 +261,19 @@ def main(argv: list[str] | None = None) -> int:
         if live_file:
             write_atomic(live_file, f"{n}\n", durable=False)
 
-    threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung, live), name="presence",
-                     daemon=True).start()
+    # Stopped and joined before the process exits: a thread still inside the store's C++ client at exit aborts it.
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_presence, args=(presence, store, actions.lost, actions.hung, live, stop),
+                               name="presence", daemon=True)
+    watcher.start()
     ports = f"{store.port} {presence.getsockname()[1]}"
     actions.address = f"{args.host_name}:{ports.replace(' ', ':')}"
     if args.port_file:
         write_atomic(args.port_file, ports + "\n", durable=False)
     print(f"store: serving on {args.host}, ports {ports} (store, presence)", flush=True)
     signal.sigwait(done)
+    stop.set()
+    watcher.join(timeout=10)
     actions.stop()
     return 0
 
