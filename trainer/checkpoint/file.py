@@ -22,6 +22,7 @@ from trainer.checkpoint.layout import PREFIX, publish
 from trainer.checkpoint.rng import rng_state
 from trainer.core import hooks
 from trainer.core.dist import gather
+from trainer.core.exits import storage_error
 from trainer.core.files import fsync_dir, tmp_path
 
 
@@ -62,12 +63,19 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
     ``on_write`` is called before each chunk: a sign of life for the hang watchdog. ``sync_dir=False`` leaves the
     folder's fsync to the caller, when a later write in the same folder (a manifest) fsyncs it anyway."""
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        sink = _Sink(f, delay_s, on_write)
-        torch.save(obj, sink)  # type: ignore[arg-type]  # any object with write() will do
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            sink = _Sink(f, delay_s, on_write)
+            torch.save(obj, sink)  # type: ignore[arg-type]  # any object with write() will do
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)  # half a checkpoint only holds the room a full disk lacks
+        disk = storage_error(exc)
+        if disk is not None and disk is not exc:  # name the file and the errno, not torch's empty RuntimeError
+            raise OSError(disk.errno, disk.strerror, str(path)) from exc
+        raise
     if sync_dir:
         fsync_dir(path.parent)
     return sink.size, sink.hash.hexdigest()

@@ -8,6 +8,7 @@ with srun's own ``task N: Killed`` line, names it. Stdlib only and torch-free: t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,6 +39,12 @@ DISTRIBUTED = ("gloo", "processgroup", "c10d", "nccl", "torch.distributed", "col
 DEVICE = re.compile(r"nccl error|uncorrectable ecc|\bxid\b|cudaerrorlaunchfailure|nvlink|cuda error: (an illegal "
                     r"instruction|unspecified launch failure|uncorrectable|ecc|misaligned)", re.I)
 """Message fragments of a failing GPU or interconnect: the node's fault (a device-side assert is the code's)."""
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+"""A write that found no room (a disk or quota, /dev/shm): the job's resource, not its code; a retry finds it full."""
+
+STORAGE_FAILED = (errno.EIO, errno.EROFS, errno.ESTALE)
+"""A file system that failed under the job (I/O error, remounted read-only, a stale handle): retried."""
 
 EXIT_VARIABLES = ("SLURMD_NODENAME", "TRAINER_ATTEMPT", "SLURM_RESTART_COUNT", "SLURM_JOB_ID", "RANK", "SLURM_PROCID",
                   "RUN_DIR")
@@ -176,6 +183,11 @@ def classify(exc: BaseException) -> dict[str, Any]:
     low = text.lower()
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
+    if (disk := storage_error(exc)) is not None:  # torch.save hides the OSError behind an empty RuntimeError
+        cause = _first_sentence(f"{disk.strerror or disk}{f': {disk.filename}' if disk.filename else ''}")
+        if disk.errno in FULL:
+            return {"class": RESOURCE, "cause": f"no room to write: {cause}", "echo": False}
+        return {"class": INFRASTRUCTURE, "cause": f"storage failed: {cause}", "echo": False}
     distributed = type(exc).__module__.startswith("torch.distributed") or type(exc).__name__.startswith("Dist") \
         or any(m in low for m in DISTRIBUTED)
     if type(exc).__name__ == "RegroupFailed":  # the lost rank is the cause (its node, srun's line for it)
@@ -187,11 +199,29 @@ def classify(exc: BaseException) -> dict[str, Any]:
     return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
 
 
+def storage_error(exc: BaseException) -> OSError | None:
+    """The OSError of a full or failed file system behind ``exc`` (itself, its causes and contexts, and each rank's
+    failure a ``torch.distributed.checkpoint`` CheckpointException holds), if any."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        here = todo.pop()
+        if not isinstance(here, BaseException) or id(here) in seen:
+            continue
+        seen.add(id(here))
+        if isinstance(here, OSError) and here.errno in FULL + STORAGE_FAILED:
+            return here
+        ranks = getattr(here, "failures", None)  # DCP's: rank -> (exception, traceback)
+        todo += [here.__cause__, here.__context__]
+        todo += [f[0] if isinstance(f, tuple) else f for f in ranks.values()] if isinstance(ranks, dict) else []
+    return None
+
+
 def raised(exc: BaseException, rank: int, step: int, emit: Any) -> None:
     """A session's loop raised ``exc``: an ``exit`` event (``emit``: the event log's) and, for an error or a
     ``sys.exit(n)``, this rank's exit record now (closing W&B may outlast srun's grace before its SIGKILL)."""
     code = exc.code if isinstance(exc, SystemExit) else 1
-    info = classify(exc) if isinstance(exc, Exception) else {}
+    info = {} if isinstance(exc, (SystemExit, KeyboardInterrupt)) else classify(exc)  # DCP's errors are BaseExceptions
     emit("exit", durable=True, code=code, step=step, error=type(exc).__name__,
          **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
     if info:

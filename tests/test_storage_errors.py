@@ -1,0 +1,73 @@
+"""A full or failing file system under a save is named as such (trainer/core/exits.py: ``storage_error``), never as the
+user's error, and leaves no half-written file behind. The disk is filled from outside: a small tmpfs mounted where the
+checkpoints go."""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainer.core import exits
+
+from .conftest import SMALL, run_trainer
+
+
+def _behind(outer: BaseException, inner: BaseException) -> BaseException:
+    """``outer`` raised while handling ``inner``, as torch.save raises its RuntimeError over the writer's OSError."""
+    outer.__context__ = inner
+    return outer
+
+
+FULL = OSError(errno.ENOSPC, "No space left on device", "/ckpt/step_00000005.pt")
+NO_TRACE = traceback.StackSummary()
+
+
+@pytest.mark.parametrize(("exc", "kind", "cause"), [
+    (FULL, "resource", "no room to write: No space left on device: /ckpt/step_00000005.pt"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "resource", "no room to write: Disk quota exceeded"),
+    # torch.save over a file object: an empty enforce message, the OSError only in the context
+    (_behind(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), FULL), "resource",
+     "no room to write: No space left on device: /ckpt/step_00000005.pt"),
+    # torch.distributed.checkpoint: each rank's failure inside one BaseException
+    (CheckpointException("save failed", {1: (FULL, NO_TRACE)}), "resource", "no room to write: No space left"),
+    (OSError(errno.EIO, "Input/output error", "/ckpt"), "infrastructure", "storage failed: Input/output error: /ckpt"),
+    (OSError(errno.EROFS, "Read-only file system"), "infrastructure", "storage failed: Read-only file system"),
+    (OSError(errno.ENOENT, "No such file or directory", "/data/x"), "user_error", "FileNotFoundError: "),
+    (CheckpointException("save failed", {0: (ValueError("bad key"), NO_TRACE)}), "user_error", "CheckpointException"),
+])
+def test_storage_errors_are_classed_by_their_errno(exc: BaseException, kind: str, cause: str) -> None:
+    info = exits.classify(exc)
+    assert (info["class"], info["cause"][:len(cause)]) == (kind, cause), info
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path/run/checkpoints`` on a 16 KiB tmpfs: room for a manifest, not for a checkpoint."""
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)])
+
+
+def test_a_checkpoint_that_fills_the_disk_is_a_resource_not_the_users_error(tmp_path: Path,
+                                                                             small_disk: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=5", "checkpoint.memory=off"], tmp_path,
+                       env={"RUN_DIR": str(run)})
+    assert proc.returncode != 0, proc.stdout
+    (record,) = [json.loads(p.read_text()) for p in (run / "exits").rglob("train-*.json")]
+    assert record["class"] == "resource", record
+    assert record["cause"] == f"no room to write: No space left on device: {small_disk / 'step_00000005.pt'}", record
+    assert list(small_disk.iterdir()) == []  # the half-written file is gone: it held the room a retry needs
