@@ -199,9 +199,11 @@ SlurmdParameters=config_overrides
 PlugStackConfig=$STATE/plugstack.conf
 MailProg=/bin/true
 
-# No cgroups in containers/sandboxes: track processes by parent pid, no task binding.
+# No cgroups in containers/sandboxes: track processes by parent pid. Tasks are bound to CPUs only when a job asks
+# (--cpu-bind): the three nodes share this machine's CPUs, so binding by default would stack them on the first cores.
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=None
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 SwitchType=switch/none
@@ -244,7 +246,7 @@ EOF
     fi
     # No NVML here: the devices are listed, not detected, and each slurmd reads the line of its own node name. Slurm
     # wants character devices ("not a valid character or block device" for files) and takes the index from the
-    # name; nothing opens them (no device cgroup: TaskPlugin=task/none), so they carry the NVIDIA driver's numbers.
+    # name; nothing opens them (no device cgroup: no task/cgroup), so they carry the NVIDIA driver's numbers.
     mkdir -p "$STATE/dev"
     for ((i = 0; i < GPUS; i++)); do [[ -c "$STATE/dev/nvidia$i" ]] || mknod "$STATE/dev/nvidia$i" c 195 "$i"; done
     printf 'AutoDetect=off\nNodeName=n[1-3] Name=gpu File=%s/dev/nvidia[0-%d]\n' "$STATE" $((GPUS - 1)) >"$STATE/gres.conf"

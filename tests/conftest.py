@@ -314,16 +314,15 @@ IMAGE_TIMEOUT = 1200
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
-    "tests/test_healing.py": 1149, "tests/test_slurm_commands.py": 323, "tests/test_slurm.py": 296,
-    "tests/test_regroup_cluster.py": 209, "tests/test_audit_cluster.py": 128, "tests/test_docker.py": 140,
-    "tests/test_apptainer.py": 111, "tests/test_sweep_cluster.py": 110, "tests/test_runs_cluster.py": 87,
-    "tests/test_shards_cluster.py": 87, "tests/test_leftovers.py": 56, "tests/test_gpu_layouts.py": 29,
-    "tests/test_doctor.py": 22, "tests/test_pyxis.py": 1,  # skipped: no pyxis in CI
+    "tests/test_healing.py": 1265, "tests/test_slurm.py": 367, "tests/test_slurm_commands.py": 358,
+    "tests/test_regroup_cluster.py": 215, "tests/test_docker.py": 166, "tests/test_sweep_cluster.py": 134,
+    "tests/test_audit_cluster.py": 127, "tests/test_apptainer.py": 110, "tests/test_runs_cluster.py": 105,
+    "tests/test_shards_cluster.py": 83, "tests/test_leftovers.py": 56, "tests/test_gpu_layouts.py": 33,
+    "tests/test_cpu_binding.py": 30, "tests/test_doctor.py": 21, "tests/test_pyxis.py": 2,  # skipped: no pyxis in CI
 }
-"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-28 on b70fa6c, the line CI prints after
-the xdist workers' line; test_apptainer.py and test_docker.py with their regroup tests, 40 and 20 s more), to share
-the files out so the clusters finish together; a file not listed counts 40 s a test. Only the balance depends on
-them."""
+"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-28 on 2f85978, the line CI prints after
+the xdist workers' line; test_cpu_binding.py, new since, from its 12 s alone), to share the files out so the clusters
+finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
