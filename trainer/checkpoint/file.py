@@ -73,8 +73,8 @@ def save_atomic(path: Path, obj: Any, delay_s: float = 0.0,
     except Exception as exc:
         tmp.unlink(missing_ok=True)  # half a checkpoint only holds the room a full disk lacks
         disk = storage_error(exc)
-        if disk is not None and disk is not exc:  # name the file and the errno, not torch's empty RuntimeError
-            raise OSError(disk.errno, disk.strerror, str(path)) from exc
+        if disk is not None and (disk is not exc or not disk.filename):  # the file and the errno, not torch's empty
+            raise OSError(disk.errno, disk.strerror, str(path)) from exc  # RuntimeError, nor close()'s nameless error
         raise
     if sync_dir:
         fsync_dir(path.parent)

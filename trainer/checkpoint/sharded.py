@@ -98,14 +98,19 @@ class ShardedCheckpointer(Checkpointer):
             tmp.mkdir()
             save_atomic(tmp / EXTRA, extra, sync_dir=False)  # the commit fsyncs this folder
 
-        self._on_main(prepare, "save")  # the folder exists before any rank writes into it
-        pause = hooks.current().write_pause(step)
-        if pause and self.is_main:  # test hook: a kill now leaves a half-written folder
-            time.sleep(pause)
-        if blocking:
-            save(shards, checkpoint_id=str(tmp))
-            self._on_main(lambda: self._commit(tmp, final, step), "commit")  # nobody runs ahead of the commit
-        else:
+        try:
+            self._on_main(prepare, "save")  # the folder exists before any rank writes into it
+            pause = hooks.current().write_pause(step)
+            if pause and self.is_main:  # test hook: a kill now leaves a half-written folder
+                time.sleep(pause)
+            if blocking:
+                save(shards, checkpoint_id=str(tmp))
+                self._on_main(lambda: self._commit(tmp, final, step), "commit")  # nobody runs ahead of the commit
+        except BaseException:
+            if self.is_main:  # every rank is done with the folder: DCP raises only once it heard from each
+                shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint only holds the room a full disk lacks
+            raise
+        if not blocking:
             if self.group is None:  # collective: every rank makes it in the same (first asynchronous) save
                 self.group = dist.new_group(backend="gloo")
             self._future = async_save(shards, checkpoint_id=str(tmp), process_group=self.group)  # type: ignore[assignment]
@@ -121,6 +126,7 @@ class ShardedCheckpointer(Checkpointer):
             future.result()  # on rank 0 this returns after DCP's metadata: every rank has written
             self._commit(tmp, final, step)
         except BaseException as exc:  # surfaced by wait()
+            shutil.rmtree(tmp, ignore_errors=True)  # DCP's future fails once every rank is done, as its save does
             self._error = exc
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:

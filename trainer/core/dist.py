@@ -227,9 +227,18 @@ def from_main(box: list[Any]) -> None:
         dist.broadcast_object_list(box, src=0)
 
 
+class MainFailed(RuntimeError):
+    """Rank 0's failure inside :func:`on_main`, as the other ranks raise it: an echo, never a first cause (rank 0's
+    own record has it); ``kind``: the class rank 0 gave it (``exits.classify``)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 def on_main(is_main: bool, fn: Callable[[], Any], what: str = "rank 0") -> Any:
     """Collective: run ``fn`` on rank 0 and hand its result, or its UserError, to every rank: no rank is left waiting
-    (a barrier too). Rank 0 re-raises any other error; the others raise a RuntimeError naming it and ``what``."""
+    (a barrier too). Rank 0 re-raises any other error; the others raise a :class:`MainFailed` naming it and ``what``."""
     box: list[Any] = [None]
     if is_main:
         try:
@@ -237,7 +246,7 @@ def on_main(is_main: bool, fn: Callable[[], Any], what: str = "rank 0") -> Any:
         except UserError as err:
             box[0] = ("error", (err.field, err.message, err.hint))
         except Exception as exc:  # re-raised on rank 0 with its traceback, reported on the others
-            box[0] = ("crash", f"{type(exc).__name__}: {exc}")
+            box[0] = ("crash", (f"{type(exc).__name__}: {exc}", exits.classify(exc)["class"]))
             from_main(box)
             raise
     from_main(box)
@@ -245,7 +254,7 @@ def on_main(is_main: bool, fn: Callable[[], Any], what: str = "rank 0") -> Any:
     if kind == "error":
         raise UserError(*value)
     if kind == "crash":
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
+        raise MainFailed(f"{what} failed on rank 0: {value[0]}", value[1])
     return value
 
 

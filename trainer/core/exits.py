@@ -192,6 +192,8 @@ def classify(exc: BaseException) -> dict[str, Any]:
         or any(m in low for m in DISTRIBUTED)
     if type(exc).__name__ == "RegroupFailed":  # the lost rank is the cause (its node, srun's line for it)
         return {"class": INFRASTRUCTURE, "cause": first, "echo": True}
+    if type(exc).__name__ == "MainFailed":  # rank 0's failure (a full disk), seen from another rank: rank 0 has it
+        return {"class": getattr(exc, "kind", USER_ERROR), "cause": first, "echo": True}
     if distributed and any(p in low for p in PEER_LOST):
         return {"class": INFRASTRUCTURE, "cause": f"lost a peer mid-collective ({first})", "echo": True}
     if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":  # hard evidence against the node
