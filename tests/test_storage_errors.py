@@ -44,6 +44,7 @@ NO_TRACE = traceback.StackSummary()
 def test_storage_errors_are_classed_by_their_errno(exc: BaseException, kind: str, cause: str) -> None:
     info = exits.classify(exc)
     assert (info["class"], info["cause"][:len(cause)]) == (kind, cause), info
+    assert info.get("blame") == ([] if kind == "infrastructure" else None), info  # a shared file system: no node
 
 
 @pytest.fixture

@@ -187,7 +187,8 @@ def classify(exc: BaseException) -> dict[str, Any]:
         cause = _first_sentence(f"{disk.strerror or disk}{f': {disk.filename}' if disk.filename else ''}")
         if disk.errno in FULL:
             return {"class": RESOURCE, "cause": f"no room to write: {cause}", "echo": False}
-        return {"class": INFRASTRUCTURE, "cause": f"storage failed: {cause}", "echo": False}
+        return {"class": INFRASTRUCTURE, "cause": f"storage failed: {cause}", "echo": False,
+                "blame": []}  # retried, but no node blamed: the file system may be shared
     distributed = type(exc).__module__.startswith("torch.distributed") or type(exc).__name__.startswith("Dist") \
         or any(m in low for m in DISTRIBUTED)
     if type(exc).__name__ == "RegroupFailed":  # the lost rank is the cause (its node, srun's line for it)
