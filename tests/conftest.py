@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,20 @@ def ok(proc: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.Comp
     """Assert the exit code, showing the output when it differs."""
     assert proc.returncode == code, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """``folder`` (made) on a tmpfs of ``size`` (``64k``) while the block runs: a disk that fills from outside the code
+    under test. Skips the test where no tmpfs can be mounted (not root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)])
 
 
 @pytest.fixture

@@ -6,19 +6,19 @@ instead of each taking all of them."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from .conftest import ROOT
-from .test_slurm import sh, slurm_env, wait_for
+from .test_gpu_layouts import submit, tasks_of
+from .test_slurm import slurm_env
 
 __all__ = ["slurm_env"]  # the fixture
 
+PROBE = ROOT / "tests" / "scripts" / "cpu_probe.py"
 CPUS = os.sched_getaffinity(0)  # the dev cluster's nodes share this machine's CPUs
 # name → (srun options, what each rank must see: (its CPUs, torch's threads)); one task alone: tests/test_env.py
 LAYOUTS: dict[str, tuple[list[str], list[tuple[set[int], int]]]] = {
@@ -27,30 +27,17 @@ LAYOUTS: dict[str, tuple[list[str], list[tuple[set[int], int]]]] = {
 }
 
 
-def submit(env: dict[str, str], options: list[str], out: Path) -> str:
-    out.mkdir()
-    script = ROOT / "tests" / "scripts" / "cpu_probe.py"
-    proc = sh(["sbatch", "--parsable", "-N1", "-n2", "-o", str(out / "job.log"), "--wrap",
-               f"srun -o {out}/task-%t {' '.join(options)} {sys.executable} {script} {out}/run"], env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def reports(out: Path, job: str, env: dict[str, str]) -> list[dict[str, Any]]:
-    wait_for(lambda: sh(["squeue", "-h", "-j", job], env).stdout.strip() == "", 180, f"job {job} to end")
-    lines = [line for p in sorted(out.glob("task-*")) for line in p.read_text().splitlines() if line.startswith("{")]
-    assert lines, (out / "job.log").read_text() + "".join(p.read_text()[-2000:] for p in out.glob("task-*"))
-    return sorted((json.loads(line) for line in lines), key=lambda r: int(r["rank"]))
-
-
 @pytest.mark.slurm_compat
 @pytest.mark.skipif(not {0, 1} <= CPUS, reason="needs CPUs 0 and 1")
 def test_a_rank_and_its_loader_workers_stay_on_the_cpus_slurm_bound_it_to(slurm_env: dict[str, str],
                                                                         tmp_path: Path) -> None:
-    jobs = {name: (submit(slurm_env, options, tmp_path / str(i)), tmp_path / str(i))
-            for i, (name, (options, _)) in enumerate(LAYOUTS.items())}
+    jobs = {}
+    for i, (name, (options, _)) in enumerate(LAYOUTS.items()):  # one node, two tasks: srun binds them as asked
+        out = tmp_path / str(i)
+        task = f"{' '.join(options)} {sys.executable} {PROBE} {out / 'run'}"
+        jobs[name] = (submit(slurm_env, ["-N1", "-n2"], out, task=task), out)
     for name, (job, out) in jobs.items():
-        ranks = reports(out, job, slurm_env)
+        ranks = tasks_of(out, job, slurm_env)
         got = [(set(r["cpus"]), r["threads"]) for r in ranks]
         assert got == LAYOUTS[name][1], (name, got)
         for rank in ranks:  # each worker: [its CPUs…, its threads]

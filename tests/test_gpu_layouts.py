@@ -39,13 +39,13 @@ KEPT = ("SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_G
 PROBE = "import json, os; print(json.dumps(dict(os.environ)), flush=True)"
 
 
-def submit(env: dict[str, str], options: list[str], out: Path, hold: Path | None = None) -> str:
-    """One job of ``options`` whose every task writes its environment into ``out/<task>``; ``hold``: it keeps its
-    GPUs until that file exists."""
+def submit(env: dict[str, str], options: list[str], out: Path, hold: Path | None = None, task: str = "") -> str:
+    """One job of ``options`` whose every task writes one JSON line into ``out/<task>``: ``task`` (srun's options and
+    the command), by default its environment; ``hold``: it keeps its GPUs until that file exists."""
     out.mkdir()
     wait = f"; while [ ! -e {hold} ]; do sleep 0.2; done" if hold else ""
     proc = sh(["sbatch", "--parsable", "-o", str(out / "job.log"), *options, "--wrap",
-               f"srun -o {out}/task-%t python3 -c {_quoted(PROBE)}{wait}"], env)
+               f"srun -o {out}/task-%t {task or 'python3 -c ' + _quoted(PROBE)}{wait}"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -55,9 +55,10 @@ def _quoted(text: str) -> str:
 
 
 def written(out: Path) -> list[dict[str, Any]]:
-    """The tasks' environments written so far (srun makes a task's file before the task writes its line)."""
-    lines = (p.read_text() for p in out.glob("task-*"))
-    return [json.loads(line) for line in lines if line.endswith("\n")]
+    """The tasks' JSON lines written so far (srun makes a task's file before the task writes its line; other lines,
+    a library's warnings on stderr, are not it)."""
+    lines = (line for p in out.glob("task-*") for line in p.read_text().splitlines(keepends=True))
+    return [json.loads(line) for line in lines if line.startswith("{") and line.endswith("\n")]
 
 
 def tasks_of(out: Path, job: str, env: dict[str, str]) -> list[dict[str, Any]]:

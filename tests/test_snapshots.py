@@ -14,7 +14,7 @@ import torch
 
 from trainer.export import consolidated
 
-from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, spawn_ranks, wait_ranks
+from .conftest import ROOT, SMALL, faults, ok, result_of, run_trainer, small_tmpfs, spawn_ranks, wait_ranks
 
 # 32 steps on 2 processes; durable saves every 10 steps, snapshots every 3.
 ARGS = [*SMALL, "train.epochs=2", "checkpoint.every_steps=10", "checkpoint.memory=on",
@@ -91,11 +91,7 @@ def test_without_a_complete_snapshot_the_durable_checkpoint_is_used(tmp_path: Pa
 
 
 def test_memory_asked_for_without_room_is_refused_before_training(tmp_path: Path) -> None:
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small", "64k") as small:
         env = {"TRAINER_MEMORY_DIR": str(small)}
         proc = run_trainer([*ARGS, "model.name=resnet18", f"run.dir={tmp_path / 'a'}"], tmp_path, env=env)
         assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -104,8 +100,6 @@ def test_memory_asked_for_without_room_is_refused_before_training(tmp_path: Path
         auto = ok(run_trainer([*ARGS, "checkpoint.memory=auto", f"run.dir={tmp_path / 'b'}"], tmp_path,
                               env={**env, "TRAINER_IN_PLACE": "1"}))
         assert "note: no memory snapshots" in auto.stdout or result_of(tmp_path / "b")["outcome"] == "finished"
-    finally:
-        subprocess.run(["umount", str(small)])
 
 
 def test_a_snapshot_that_cannot_be_written_is_a_warning_not_a_lost_run(tmp_path: Path) -> None:

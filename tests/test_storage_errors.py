@@ -5,7 +5,6 @@ checkpoints go."""
 from __future__ import annotations
 
 import errno
-import subprocess
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.core import exits
 
-from .conftest import SMALL, run_trainer
+from .conftest import SMALL, run_trainer, small_tmpfs
 
 
 def _behind(outer: BaseException, inner: BaseException) -> BaseException:
@@ -50,15 +49,8 @@ def test_storage_errors_are_classed_by_their_errno(exc: BaseException, kind: str
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """``tmp_path/run/checkpoints`` on a 16 KiB tmpfs: room for a manifest, not for a checkpoint."""
-    folder = tmp_path / "run" / "checkpoints"
-    folder.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(folder)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "run" / "checkpoints", "16k") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)])
 
 
 @pytest.mark.parametrize("fmt", ["file", "dcp"])
