@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.core.errors import UserError
@@ -29,3 +31,18 @@ def test_a_misspelt_fault_is_an_error_in_every_attempt(spec: str) -> None:
     with pytest.raises(UserError) as caught:
         load(spec, "0")
     assert caught.value.field == "TRAINER_FAULTS"
+
+
+def test_a_process_holds_at_its_first_and_second_wait_under_names_of_their_own(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait_at_step=1 wait_again_at_step=3: held after this process's steps 2 and 4 (the second as ``0-again``, which
+    a group gone on in place, still attempt 0 to its processes, is released by), never at another step."""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.delenv("TRAINER_ATTEMPT", raising=False)
+    faults, seen = load("wait_at_step=1 wait_again_at_step=3", "0"), []
+    for done in range(6):
+        faults.wait(done, 1, tmp_path, lambda: None, lambda: True)  # a signal: released at once
+        seen.append(sorted(p.name for p in (tmp_path / "faults").glob("waiting.*")) if (tmp_path / "faults").exists()
+                    else [])
+    assert seen == [[], [], ["waiting.0.1"], ["waiting.0.1"], ["waiting.0-again.1", "waiting.0.1"],
+                    ["waiting.0-again.1", "waiting.0.1"]]

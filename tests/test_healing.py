@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from .test_slurm import cluster_cmd, idle, job_id_of, job_runs, job_state, refer
 __all__ = ["reference", "slurm_env"]  # the fixtures, shared with test_slurm
 
 SLOW = [*SMALL, "train.epochs=2", "checkpoint.every_steps=3"]
+# A job here lives through several attempts, each started by Slurm: 2 to 4 minutes alone, twice that beside the rest of
+# CI on a slow machine. The timeout catches a hang, never a slow machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 def submit(env: dict[str, str], launcher: str, args: list[str], sets: list[str] = ()) -> str:  # type: ignore[assignment]
@@ -340,6 +344,13 @@ def test_a_node_range_job_shrinks_in_place_then_requeues_and_trains_the_same_run
     assert "processes per attempt: 3 → 2" in report, report
 
 
+def end_time(job: str, env: dict[str, str]) -> float:
+    """The running job's end time (its time limit), as Slurm has it."""
+    out = sh(["scontrol", "show", "job", "-o", job], env).stdout
+    value = next(w.split("=", 1)[1] for w in out.split() if w.startswith("EndTime="))
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
 def first_step_after(run: Path, t: float) -> float:
     return float(next(e["t"] for e in events(run, "first_step") if e["t"] > t))
 
@@ -347,11 +358,18 @@ def first_step_after(run: Path, t: float) -> float:
 @pytest.mark.slurm_compat
 def test_a_job_without_a_warning_signal_saves_before_its_time_limit_and_requeues_apart_from_preemptions(
         slurm_env: dict[str, str], tmp_path: Path, reference: str) -> None:
-    """--time=1 and no --signal: the runtime reads the job's end time, saves before it, exits 75; the verdict
-    requeues it although max_requeues=0 (time limits are not preemptions), and the run ends as if uninterrupted."""
+    """--time=2 and no --signal: the runtime reads the job's end time, saves before it, exits 75; the verdict
+    requeues it although max_requeues=0 (time limits are not preemptions), and the run ends as if uninterrupted. The
+    ranks hold after step 2 until the end is closer than any margin (SLACK_S), however long they took to start."""
+    from trainer.runtime.saving.cadence import SLACK_S
+
     run = tmp_path / "run"
-    env = {**slurm_env, **faults(step_delay_s=1.5)}
-    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["time_min=1", "signal_grace_s=0", "max_requeues=0"])
+    env = {**slurm_env, **faults(at={"0": {"wait_at_step": 1}})}
+    job = submit(env, "sbatch", [*SLOW, f"run.dir={run}"], ["time_min=2", "signal_grace_s=0", "max_requeues=0"])
+    held(run, ranks=2)
+    ends_at = end_time(job, env)
+    wait_for(lambda: time.time() > ends_at - SLACK_S + 1, 150, "the time limit to be near")
+    go(run)
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["param_checksums"] == [reference, reference], result
     ends = events(run, "attempt_end")

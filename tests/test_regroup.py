@@ -111,7 +111,10 @@ def test_the_store_process_counts_the_processes_training_for_the_batch_script(tm
         reads(0)
     finally:
         store_proc.terminate()
-        assert store_proc.wait(timeout=60) == 0
+        out = store_proc.communicate(timeout=60)[0]
+        assert store_proc.returncode == 0, out
+    assert f"warm spare {SPARE_BASE + 1} up on ? (pid {os.getpid()}), waiting for a place" in out, out  # its log says
+    assert out.count("warm spare") == 1, out  # once, and never for a rank
 
 
 def test_the_store_kills_each_stuck_rank_asked_for_and_never_blocks_on_a_request_not_written() -> None:

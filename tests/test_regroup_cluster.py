@@ -65,11 +65,16 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
                                                                               tmp_path: Path) -> None:
     """regroup: true on three nodes, no spare node: rank 2 SIGKILLed from outside (its node lives). The two others go
     on at once; the job's store starts a warm spare on that node (--on-lost: srun --overlap), which the group takes in
-    at a step boundary: the job finishes on three processes, in one attempt of Slurm's, the replicas equal."""
-    slowed = faults(step_delay_s=0.25, at={"0": {"wait_at_step": 4}})  # 75 steps after the kill: room to grow back
-    run, env, job = held_job({**slurm_env, **slowed}, tmp_path, ["nodes=3"], 3, ["train.epochs=8"])
+    at a step boundary: the job finishes on three processes, in one attempt of Slurm's, the replicas equal. The two
+    hold again after step 9 until the spare is up (its start-up takes what it takes), so that it joins a running
+    group, whatever the machine's speed."""
+    hold = faults(at={"0": {"wait_at_step": 4, "wait_again_at_step": 8}})
+    run, env, job = held_job({**slurm_env, **hold}, tmp_path, ["nodes=3"], 3)
     node = kill_rank(job, 2, 0)
     go(run)
+    held(run, ranks=2, attempt="0-again")  # the two went on in place, and hold again
+    wait_for(lambda: "waiting for a place" in (run / "store.log").read_text(), 240, "the warm spare to be up")
+    go(run, "0-again")
     result = finished(run, job, env)
     assert result["outcome"] == "finished" and result["world_size"] == 3 and not result["resumed_from"], result
     assert len(result["param_checksums"]) == 3 and len(set(result["param_checksums"])) == 1, result
@@ -81,7 +86,7 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     assert f"rank 2 lost on {node}" in (run / "store.log").read_text()
     runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs
-    print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up)")
+    print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up, held for)")
 
 
 def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: dict[str, str], tmp_path: Path) -> None:

@@ -65,6 +65,8 @@ def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, st
                 data = b""
             seen[sock] += data
             if data:
+                if data.endswith(b"\n") and seen[sock].count(b"\n") == 1:  # its hello, whole
+                    announce(seen[sock])
                 continue
             sel.unregister(sock)
             sock.close()
@@ -82,6 +84,14 @@ def watch_presence(server: socket.socket, store: Any, on_lost: Callable[[int, st
                 on_live(live)
         except Exception as exc:  # noqa: BLE001 - this thread must go on: the ranks' ends still have to be seen
             print(f"store: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}", flush=True)
+
+
+def announce(said: bytes) -> None:
+    """A warm spare's hello: it is up (imports done, connected) and waits for a lost rank's place."""
+    rank, facts, _ = hello(said)
+    if rank is not None and rank >= SPARE_BASE:
+        print(f"store: warm spare {rank} up on {facts.get('node') or '?'} (pid {facts.get('pid', '?')}), waiting for "
+              "a place", flush=True)
 
 
 def kill_stuck(store: Any, said: Iterable[bytes], asked: int, on_hung: Callable[[int, str, int], None]) -> int:

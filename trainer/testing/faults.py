@@ -83,6 +83,9 @@ class Faults(hooks.Hooks):
     signal reaches it or the file ``faults/go.<attempt>`` appears in the run folder; it first writes
     ``faults/waiting.<attempt>.<rank>`` there. A test then acts from outside (a signal, a kill, SIGSTOP) on a run
     held at a known step, instead of guessing how far it got."""
+    wait_again_at_step: int = -1
+    """A second hold, later in the same process (-1: none): as ``wait_at_step``, with ``<attempt>-again`` for the
+    attempt in the files' names. A group that went on in place (regroup) keeps its processes, and with them this plan."""
     ledger: str = ""
     """A folder: a sharded set's loader appends the samples of every micro-batch it hands out (epoch, micro-batch,
     (shard, sample) pairs) to rank<r>.jsonl there, the per-sample ledger of the exactly-once tests."""
@@ -162,11 +165,11 @@ class Faults(hooks.Hooks):
 
 
     def wait(self, done: int, rank: int, run_dir: Path, alive: Callable[[], None], released: Callable[[], bool]) -> None:
-        """``wait_at_step``: hold this rank until ``released()`` (a signal came) or ``faults/go.<attempt>`` exists,
-        calling ``alive()`` meanwhile (a held rank is no hang)."""
-        if done != self.wait_at_step + 1:
+        """``wait_at_step`` (and ``wait_again_at_step``): hold this rank until ``released()`` (a signal came) or
+        ``faults/go.<attempt>`` exists, calling ``alive()`` meanwhile (a held rank is no hang)."""
+        if done not in (self.wait_at_step + 1, self.wait_again_at_step + 1) or done == 0:
             return
-        folder, attempt = run_dir / "faults", attempt_id()
+        folder, attempt = run_dir / "faults", attempt_id() + ("-again" if done == self.wait_again_at_step + 1 else "")
         folder.mkdir(exist_ok=True)
         (folder / f"waiting.{attempt}.{rank}").touch()
         while not released() and not (folder / f"go.{attempt}").exists():
