@@ -67,7 +67,8 @@ class _Workers:
         self.start = time.monotonic()
         self.seconds: dict[str, dict[str, float]] = {}
         self.last: dict[str, float] = {}
-        self.cluster_files: dict[str, float] = {}
+        self.files: dict[bool, dict[str, float]] = {True: {}, False: {}}
+        """The seconds of each file's tests, the dev-cluster files (True) apart from the others."""
 
     def add(self, report: pytest.TestReport) -> None:
         worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
@@ -76,9 +77,8 @@ class _Workers:
         group = _group_of(report.nodeid)
         by_group = self.seconds.setdefault(worker, {})
         by_group[group] = by_group.get(group, 0.0) + report.duration
-        if group != "other":
-            path = report.nodeid.split("::")[0]
-            self.cluster_files[path] = self.cluster_files.get(path, 0.0) + report.duration
+        path, files = report.nodeid.split("::")[0], self.files[group != "other"]
+        files[path] = files.get(path, 0.0) + report.duration
         self.last[worker] = time.monotonic() - self.start
 
     def lines(self) -> list[str]:
@@ -88,9 +88,10 @@ class _Workers:
             shown = ", ".join(f"{g} {s:.0f} s" for g, s in groups[:3])
             out.append(f"{worker}: last result at {self.last[worker]:.0f} s, {sum(s for _, s in groups):.0f} s in "
                        f"tests ({shown})")
-        if self.cluster_files:  # what CLUSTER_SECONDS should say
-            files = sorted(self.cluster_files.items(), key=lambda kv: -kv[1])
-            out.append("the dev-cluster files' seconds: " + ", ".join(f'"{f}": {s:.0f}' for f, s in files))
+        for cluster, what in ((True, "the dev-cluster files' seconds: "), (False, "the other files' seconds (top 15): ")):
+            if self.files[cluster]:  # the first: what CLUSTER_SECONDS should say
+                files = sorted(self.files[cluster].items(), key=lambda kv: -kv[1])[:None if cluster else 15]
+                out.append(what + ", ".join(f'"{f}": {s:.0f}' for f, s in files))
         return out
 
 
