@@ -329,15 +329,15 @@ IMAGE_TIMEOUT = 1200
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
-    "tests/test_healing.py": 1265, "tests/test_slurm.py": 367, "tests/test_slurm_commands.py": 358,
-    "tests/test_regroup_cluster.py": 215, "tests/test_docker.py": 166, "tests/test_sweep_cluster.py": 134,
-    "tests/test_audit_cluster.py": 127, "tests/test_apptainer.py": 110, "tests/test_runs_cluster.py": 105,
-    "tests/test_shards_cluster.py": 83, "tests/test_leftovers.py": 56, "tests/test_gpu_layouts.py": 33,
-    "tests/test_cpu_binding.py": 30, "tests/test_doctor.py": 21, "tests/test_pyxis.py": 2,  # skipped: no pyxis in CI
+    "tests/test_healing.py": 1780, "tests/test_slurm.py": 546, "tests/test_slurm_commands.py": 517,
+    "tests/test_sweep_cluster.py": 425, "tests/test_regroup_cluster.py": 273, "tests/test_docker.py": 177,
+    "tests/test_audit_cluster.py": 153, "tests/test_shards_cluster.py": 151, "tests/test_apptainer.py": 144,
+    "tests/test_runs_cluster.py": 102, "tests/test_leftovers.py": 60, "tests/test_doctor.py": 34,
+    "tests/test_cpu_binding.py": 27, "tests/test_gpu_layouts.py": 15, "tests/test_pyxis.py": 2,  # skipped: no pyxis in CI
 }
-"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-28 on 2f85978, the line CI prints after
-the xdist workers' line; test_cpu_binding.py, new since, from its 12 s alone), to share the files out so the clusters
-finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
+"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-29 on 4c51ed8, a slow machine: the line CI
+prints after the xdist workers' line; test_healing.py less the 180 s its single-kills test no longer waits), to share
+the files out so the clusters finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
