@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from benchmarks.common import processes
+from cluster.job.nodes import parse_fields
 
 from .conftest import ROOT, SMALL, faults, go, held
 from .test_slurm import cluster_cmd, idle, job_id_of, job_runs, job_state, reference, sh, slurm_env, wait_for
@@ -62,9 +63,13 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
 
 
+def job_fields(job: str, env: dict[str, str]) -> dict[str, str]:
+    """``scontrol show job -o JOB`` as a dict, read with the verdict's own parser (cluster.job.nodes)."""
+    return parse_fields(sh(["scontrol", "show", "job", "-o", job], env).stdout)
+
+
 def excluded(job: str, env: dict[str, str]) -> str:
-    out = sh(["scontrol", "show", "job", "-o", job], env).stdout
-    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("ExcNodeList=")), "")
+    return job_fields(job, env).get("ExcNodeList", "")
 
 
 def finished(run: Path, job: str, env: dict[str, str]) -> dict[str, Any]:
@@ -351,9 +356,7 @@ def test_a_node_range_job_shrinks_in_place_then_requeues_and_trains_the_same_run
 
 def end_time(job: str, env: dict[str, str]) -> float:
     """The running job's end time (its time limit), as Slurm has it."""
-    out = sh(["scontrol", "show", "job", "-o", job], env).stdout
-    value = next(w.split("=", 1)[1] for w in out.split() if w.startswith("EndTime="))
-    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
+    return datetime.strptime(job_fields(job, env)["EndTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
 
 
 def first_step_after(run: Path, t: float) -> float:

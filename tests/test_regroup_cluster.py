@@ -86,7 +86,7 @@ def test_a_rank_killed_on_a_live_node_is_replaced_there_and_the_job_grows_back(s
     assert f"rank 2 lost on {node}" in (run / "store.log").read_text()
     runs = job_runs(job, env)
     assert runs == ["COMPLETED"], runs
-    print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up, held for)")
+    print(f"grew back {grow['t'] - shrink['t']:.1f} s after the regroup (the replacement's start-up; the two held meanwhile)")
 
 
 def test_a_stopped_rank_is_killed_on_its_node_and_the_others_go_on(slurm_env: dict[str, str], tmp_path: Path) -> None:
