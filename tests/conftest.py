@@ -326,6 +326,9 @@ CLUSTERS = os.environ.get("DEV_CLUSTERS", "").split()
 unset: the one dev cluster (slurm/dev-cluster.sh's default folder, or DEV_CLUSTER_DIR)."""
 IMAGE_TIMEOUT = 1200
 """Seconds for a test that uses the built container image, its build included."""
+JOB_TIMEOUT = 600
+"""Seconds for a test that runs jobs on a dev cluster. Such a job lives through attempts each started by Slurm: 1 to 4
+minutes alone, twice that beside the rest of CI on a slow machine. It catches a hang, never a slow machine."""
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
@@ -371,6 +374,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "image" in t.fixturenames and not t.get_closest_marker("timeout"):
             # Its first test builds the image (or waits for the other worker's build): minutes on a busy machine.
             t.add_marker(pytest.mark.timeout(IMAGE_TIMEOUT))
+        elif "slurm_env" in t.fixturenames and not t.get_closest_marker("timeout"):
+            t.add_marker(pytest.mark.timeout(JOB_TIMEOUT))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Under xdist the tests that need the built image run last on their worker, which meanwhile runs its other
         # cluster tests; under CI the compatibility sets (one process, collection order) start by building it.

@@ -86,6 +86,7 @@ def test_a_record_is_replaced_whole_and_a_batch_script_never_overwrites_the_subm
     ("", "5|FAILED|n2", [start("5", 0)], {"outcome": "failed", "class": "infrastructure"}, {},
      ("failed: infrastructure", 1)),
     ("", "5|CANCELLED|n1", [start("5", 0)], None, {}, ("cancelled", 1)),
+    ("", "5|REQUEUED|n1", [start("5", 0)], None, {}, ("ended", 1)),  # cancelled during its requeue: sacct lags
     ("", "", [start("5", 0)], None, {"cancelled_at": 1.0}, ("cancelled", 1)),  # no accounting: the ledger knows
     ("", "", [start("5", 0), {"event": "attempt_end", "job_id": "5", "attempt": "0", "class": "user_error",
                               "decision": "fail"}], None, {}, ("failed: user_error", 1)),

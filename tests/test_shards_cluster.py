@@ -11,8 +11,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from .conftest import ROOT, faults, go, held
 from .test_healing import finished, kill_rank
 from .test_slurm import cluster_cmd, idle, job_id_of, slurm_env
@@ -42,7 +40,6 @@ def _steps(entries: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[in
     return {k: sorted(v) for k, v in steps.items()}
 
 
-@pytest.mark.timeout(600)
 def test_a_node_range_job_on_shards_shrinks_and_trains_each_sample_once(slurm_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     wds = tmp_path / "wds"

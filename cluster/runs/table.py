@@ -27,8 +27,9 @@ LIVE = {"PENDING": "pending", "CONFIGURING": "running", "RUNNING": "running", "C
 
 ENDED = {"COMPLETED": "finished", "CANCELLED": "cancelled", "FAILED": "failed", "TIMEOUT": "failed: timeout",
          "OUT_OF_MEMORY": "failed: resource", "NODE_FAIL": "failed: infrastructure", "BOOT_FAIL": "failed: infrastructure",
-         "DEADLINE": "failed: timeout", "PREEMPTED": "preempted"}
-"""sacct's final states as ours, where the run folder has no verdict."""
+         "DEADLINE": "failed: timeout", "PREEMPTED": "preempted", "REQUEUED": "ended"}
+"""sacct's final states as ours, where the run folder has no verdict. (A job cancelled while its requeue completes
+stays REQUEUED in accounting for good, though the controller says CANCELLED: squeue no longer lists it, so it ended.)"""
 
 
 @dataclass
