@@ -11,12 +11,11 @@ import re
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 
-from .conftest import CLUSTER_OF, CLUSTERS, ROOT, SMALL, exported, faults, held
+from .conftest import CLUSTER_OF, CLUSTERS, ROOT, SMALL, exported, faults, held, ok, run_trainer
 
 SCRIPT = ROOT / "slurm" / "dev-cluster.sh"
 
@@ -120,18 +119,20 @@ def test_sbatch_launcher_two_nodes(slurm_env: dict[str, str], tmp_path: Path, la
             assert b"secret-key-7f3a" not in f.read_bytes(), f
 
 
+DEV_THREADS = {"OMP_NUM_THREADS": "1"}
+"""What the dev profile gives every task (cluster/profiles/dev.yaml): a local run with it does a dev job's arithmetic."""
+
+
 @pytest.fixture(scope="module")
-def reference(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The parameter checksum of 2 epochs on 2 nodes, uninterrupted: one job per dev cluster and test process, which
-    every file's faulted runs of that training compare with (when and how often they save changes no parameter)."""
-    cluster = zlib.crc32(str(slurm_env.get("SLURM_CONF")).encode())
-    cached = tmp_path_factory.getbasetemp() / f"reference-{cluster:08x}.txt"
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameter checksum of 2 epochs on 2 ranks, uninterrupted, which every file's faulted 2-node jobs compare
+    with (when and how often they save changes no parameter). Trained here, once per test process, in warm ranks with
+    a dev task's threads: a job on the cluster would cost every cluster test's worker a job of rank start-ups."""
+    cached = tmp_path_factory.getbasetemp() / "reference.txt"
     if not cached.exists():
-        ref = tmp_path_factory.mktemp("ref") / "run"
-        proc = cluster_cmd(["--launcher", "sbatch", "--wait", "--", *SMALL, "train.epochs=2", f"run.dir={ref}"],
-                           slurm_env)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        cached.write_text(str(json.loads((ref / "result.json").read_text())["param_checksums"][0]))
+        ref = tmp_path_factory.mktemp("ref")
+        ok(run_trainer([*SMALL, "train.epochs=2", f"run.dir={ref / 'run'}"], ref, nproc=2, env=DEV_THREADS))
+        cached.write_text(str(json.loads((ref / "run" / "result.json").read_text())["param_checksums"][0]))
     return cached.read_text()
 
 
