@@ -578,6 +578,34 @@ def test_status_and_page_from_the_study(tmp_path: Path, monkeypatch: pytest.Monk
     assert pixels.shape[1] > 300 and pixels.std() > 0.01
 
 
+@pytest.mark.parametrize(("queue", "acct", "want"), [
+    ((0, "900_1|RUNNING"), "900_0|COMPLETED\n900_1|RUNNING", {0: "completed", 1: "running"}),
+    ((0, "900_[0-1]|PENDING"), "900_0|REQUEUED\n900_1|PENDING", {0: "pending", 1: "pending"}),  # the controller's
+    ((0, ""), "900_0|CANCELLED by 0\n900_1|REQUEUED", {0: "cancelled", 1: "ended"}),  # cancelled while requeuing
+    ((1, "slurm_load_jobs error: Invalid job id specified"), "900_0|PENDING", {0: "ended"}),  # every job gone
+    (None, "900_0|REQUEUED\n900_1|COMPLETED", {0: "requeued", 1: "completed"}),  # no squeue: sacct as it is
+])
+def test_a_workers_state_is_the_controllers_while_it_lists_it_else_the_accountings_final_one(
+        monkeypatch: pytest.MonkeyPatch, queue: tuple[int, str] | None, acct: str,
+        want: dict[int, str]) -> None:
+    """squeue first: sacct keeps REQUEUED for good for a job cancelled while its requeue completed, and `sweep --wait`
+    counted such a worker as alive forever."""
+    def ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
+        if cmd[0] == "sacct":
+            return subprocess.CompletedProcess(cmd, 0, acct + "\n", "")
+        if queue is None:
+            return None
+        rc, text = queue
+        return subprocess.CompletedProcess(cmd, rc, "" if rc else text + "\n", text if rc else "")
+
+    monkeypatch.setattr(sweep_status, "ask", ask)
+    assert sweep_status.slurm_states(["900"]) == {("900", i): state for i, state in want.items()}
+    data = SweepFile(arrays=("900",), spec={"max_parallel": 2})
+    ended = sum(state in sweep_status.FINISHED for state in want.values())
+    assert sweep_status.workers_ended(data, set(), gone=False) == (ended, 2)
+
+
+
 def test_the_session_reports_and_every_rank_agrees_to_prune(tmp_path: Path) -> None:
     """The char LM on 2 processes, as a sweep's trial: rank 0 writes its evaluation to reports.jsonl; an answer
     'prune' for that step (the relay's file) stops both ranks at the same step, and the result says pruned."""

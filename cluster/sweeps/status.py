@@ -19,28 +19,40 @@ from cluster.sweeps.trials import Row, columns, show
 from trainer.core.errors import UserError
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
-            "preempted")
-"""Slurm states (lower case) after which a worker runs no more; a requeued one shows pending/requeued instead."""
+            "preempted", "ended")
+"""Slurm states (lower case) after which a worker runs no more; a requeued one shows pending/requeued instead.
+"ended" is ours: accounting's word for a task squeue no longer lists is not final (see :func:`slurm_states`)."""
 
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
 """Optuna's trial states as the table spells them."""
 
 
 def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
-    """Slurm's state (lower case) of each worker: sacct first, squeue for tasks sacct does not know (yet)."""
-    states: dict[tuple[str, int], str] = {}
+    """Slurm's state (lower case) of each worker: squeue's while the controller lists it, else sacct's. A state of
+    sacct's that is not final, for a task squeue no longer lists, says "ended": a job cancelled while its requeue
+    completed stays REQUEUED in accounting for good. When squeue cannot answer, sacct's as it is."""
     if not arrays:
-        return states
+        return {}
     joined = ",".join(arrays)
-    for cmd in (["sacct", "-j", joined, "-n", "-P", "-X", "--format=JobID,State"],
-                ["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T"]):
-        proc = ask(cmd)
-        for line in (proc.stdout if proc is not None and proc.returncode == 0 else "").splitlines():
-            job, _, state = line.strip().partition("|")
-            for a in arrays:
-                for i in job_indexes(job, a):
-                    if state.split():
-                        states.setdefault((a, i), state.split()[0].lower())  # "CANCELLED by 0" → cancelled
+    live = _states(["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T"], arrays)
+    accounted = _states(["sacct", "-j", joined, "-n", "-P", "-X", "--format=JobID,State"], arrays) or {}
+    states = {task: state if live is None or state in FINISHED else "ended" for task, state in accounted.items()}
+    return {**states, **(live or {})}
+
+
+def _states(cmd: list[str], arrays: list[str]) -> dict[tuple[str, int], str] | None:
+    """Each task's state in one Slurm command's ``JobID|State`` lines; None when it cannot answer (squeue's
+    "Invalid job id": every job gone from the controller, so none listed)."""
+    proc = ask(cmd)
+    if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
+        return None
+    states: dict[tuple[str, int], str] = {}
+    for line in (proc.stdout if proc.returncode == 0 else "").splitlines():
+        job, _, state = line.strip().partition("|")
+        for a in arrays:
+            for i in job_indexes(job, a):
+                if state.split():
+                    states.setdefault((a, i), state.split()[0].lower())  # "CANCELLED by 0" → cancelled
     return states
 
 
@@ -91,8 +103,8 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
 
 
 def workers_ended(data: SweepFile, seen: set[tuple[str, int]], gone: bool) -> tuple[int, int]:
-    """(workers ended, workers): by sacct's final states; without accounting, a worker squeue listed once and no longer
-    lists has ended (squeue forgets ended jobs), and one never seen counts as ended once ``gone``."""
+    """(workers ended, workers): by Slurm's states (:func:`slurm_states`); without accounting, a worker squeue listed
+    once and no longer lists has ended (squeue forgets ended jobs), and one never seen counts as ended once ``gone``."""
     arrays = list(data.arrays)
     workers = [(a, i) for a in arrays for i in range(int(data.spec["max_parallel"]))]
     states = slurm_states(arrays)
