@@ -332,15 +332,15 @@ minutes alone, twice that beside the rest of CI on a slow machine. It catches a 
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
-    "tests/test_healing.py": 1780, "tests/test_slurm.py": 546, "tests/test_slurm_commands.py": 517,
-    "tests/test_sweep_cluster.py": 425, "tests/test_regroup_cluster.py": 273, "tests/test_docker.py": 177,
-    "tests/test_audit_cluster.py": 153, "tests/test_shards_cluster.py": 151, "tests/test_apptainer.py": 144,
-    "tests/test_runs_cluster.py": 102, "tests/test_leftovers.py": 60, "tests/test_doctor.py": 34,
-    "tests/test_cpu_binding.py": 27, "tests/test_gpu_layouts.py": 15, "tests/test_pyxis.py": 2,  # skipped: no pyxis in CI
+    "tests/test_healing.py": 1346, "tests/test_slurm_commands.py": 502, "tests/test_slurm.py": 485,
+    "tests/test_regroup_cluster.py": 258, "tests/test_sweep_cluster.py": 163, "tests/test_apptainer.py": 161,
+    "tests/test_audit_cluster.py": 96, "tests/test_docker.py": 81, "tests/test_runs_cluster.py": 66,
+    "tests/test_shards_cluster.py": 61, "tests/test_leftovers.py": 48, "tests/test_cpu_binding.py": 39,
+    "tests/test_gpu_layouts.py": 34, "tests/test_doctor.py": 24, "tests/test_pyxis.py": 1,  # skipped: no pyxis in CI
 }
-"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-29 on 4c51ed8, a slow machine: the line CI
-prints after the xdist workers' line; test_healing.py less the 180 s its single-kills test no longer waits), to share
-the files out so the clusters finish together; a file not listed counts 40 s a test. Only the balance depends on them."""
+"""Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-29 on a20710a: the line CI prints after the
+xdist workers' line), to share the files out so the clusters finish together; a file not listed counts 40 s a test.
+Only the balance depends on them."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
