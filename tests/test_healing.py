@@ -46,7 +46,9 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
               sig: signal.Signals = signal.SIGKILL) -> str:
     """SIGKILL (or ``sig``) the training process of ``rank`` (None: of any rank not on node ``not_on``) in attempt
     ``restart`` of ``job`` (``script``: the command's own process, under `python -m trainer.launch`); return its
-    Slurm node name. A warm spare is never the one (its step numbers its tasks from 0 too)."""
+    Slurm node name. A warm spare is never the one (its step numbers its tasks from 0 too), nor a loader worker (forked
+    from the rank: the same environment and argv, its parent among the matches)."""
+    found: dict[int, str] = {}
     for pid, env, argv in processes():
         ours = env.get("SLURM_JOB_ID") == job and int(env.get("SLURM_RESTART_COUNT") or 0) == restart and \
             "TRAINER_SPARE" not in env
@@ -55,8 +57,15 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
         trainer = "python" in Path(argv[0]).name and (
             argv[1:2] == [script] if script else "-m" in argv and not {"cluster.job.verdict", "trainer.store"} & set(argv))
         if ours and which and trainer:
+            found[pid] = env["SLURMD_NODENAME"]
+    for pid, node in found.items():
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent not in found:
             os.kill(pid, sig)
-            return env["SLURMD_NODENAME"]
+            return node
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")
 
 
