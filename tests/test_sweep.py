@@ -605,7 +605,6 @@ def test_a_workers_state_is_the_controllers_while_it_lists_it_else_the_accountin
     assert sweep_status.workers_ended(data, set(), gone=False) == (ended, 2)
 
 
-
 def test_the_session_reports_and_every_rank_agrees_to_prune(tmp_path: Path) -> None:
     """The char LM on 2 processes, as a sweep's trial: rank 0 writes its evaluation to reports.jsonl; an answer
     'prune' for that step (the relay's file) stops both ranks at the same step, and the result says pruned."""
