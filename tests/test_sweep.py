@@ -341,9 +341,10 @@ def local_sweep(tmp_path: Path, text: str) -> Path:
 
 @pytest.fixture
 def squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fake squeue on PATH printing the job ids written to the returned file (the workers Slurm lists)."""
+    """A fake squeue on PATH printing the ``JobID|State`` lines written to the returned file (the workers Slurm
+    lists)."""
     listed = tmp_path / "squeue.out"
-    listed.write_text("900_0\n900_1\n")
+    listed.write_text("900_0|RUNNING\n900_1|RUNNING\n")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {shlex.quote(str(listed))}\n")
     (tmp_path / "bin" / "squeue").chmod(0o755)
@@ -479,7 +480,7 @@ def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(
     finished(assignment(folder, 0)[1], test_accuracy=0.6)
     assert worker.end(folder, 0, 0) == 0
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {shlex.quote(str(squeue))}\n")
-    squeue.write_text("900_0\n")  # worker 1 was cancelled: Slurm lists only this one
+    squeue.write_text("900_0|RUNNING\n")  # worker 1 was cancelled: Slurm lists only this one
     assert worker.next_trial(folder, 0) == 0
     study = studies.open_study(worker.record_of(folder), folder)
     assert study.trials[lost].state.name == "FAIL" and "900_1" in study.trials[lost].user_attrs["lost"]
@@ -490,7 +491,7 @@ def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(
     assert worker.end(folder, 0, 0) == 0 and worker.next_trial(folder, 0) == worker.EXIT_DONE
 
 
-@pytest.mark.parametrize(("listed", "retried"), [("900_0\n", True), ("", False)])
+@pytest.mark.parametrize(("listed", "retried"), [("900_0|PENDING\n", True), ("", False)])
 def test_sweep_status_fails_a_lost_trial_and_retries_it_only_while_a_worker_lives(
         listed: str, retried: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
     folder = local_sweep(tmp_path, TPE)
@@ -598,7 +599,7 @@ def test_a_workers_state_is_the_controllers_while_it_lists_it_else_the_accountin
         rc, text = queue
         return subprocess.CompletedProcess(cmd, rc, "" if rc else text + "\n", text if rc else "")
 
-    monkeypatch.setattr(sweep_status, "ask", ask)
+    monkeypatch.setattr(lost, "ask", ask)
     assert sweep_status.slurm_states(["900"]) == {("900", i): state for i, state in want.items()}
     data = SweepFile(arrays=("900",), spec={"max_parallel": 2})
     ended = sum(state in sweep_status.FINISHED for state in want.values())

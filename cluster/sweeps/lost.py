@@ -28,17 +28,29 @@ def job_indexes(job: str, array_id: str) -> list[int]:
     return out
 
 
-def squeue_alive(arrays: list[str]) -> set[tuple[str, int]] | None:
-    """The (array, task) pairs Slurm lists as pending or running (any state squeue still shows); None when squeue
-    cannot answer (then nothing may be concluded)."""
-    if not arrays:
-        return set()
-    proc = ask(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i"])
-    if proc is None:
+def task_states(cmd: list[str], arrays: list[str]) -> dict[tuple[str, int], str] | None:
+    """Each array task's state (lower case) in one Slurm command's ``JobID|State`` lines (squeue ``-o %i|%T``, sacct
+    ``-P --format=JobID,State``); None when it cannot answer. squeue's "Invalid job id": every job gone from the
+    controller, so none listed."""
+    proc = ask(cmd)
+    if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
         return None
-    if proc.returncode:  # every job gone from slurmctld's memory: "Invalid job id specified"
-        return set() if "Invalid job id" in proc.stderr else None
-    return {(a, i) for line in proc.stdout.split() for a in arrays for i in job_indexes(line.strip(), a)}
+    states: dict[tuple[str, int], str] = {}
+    for line in (proc.stdout if proc.returncode == 0 else "").splitlines():
+        job, _, state = line.strip().partition("|")
+        for a in arrays:
+            for i in job_indexes(job, a):
+                if state.split():
+                    states.setdefault((a, i), state.split()[0].lower())  # "CANCELLED by 0" → cancelled
+    return states
+
+
+def squeue_states(arrays: list[str]) -> dict[tuple[str, int], str] | None:
+    """The state of each (array, task) pair Slurm's controller still lists (pending, running, requeued...); None when
+    squeue cannot answer (then nothing may be concluded)."""
+    if not arrays:
+        return {}
+    return task_states(["squeue", "-h", "-r", "-j", ",".join(arrays), "-o", "%i|%T"], arrays)
 
 
 def fail_lost(trials: Trials, retry: bool) -> None:
@@ -51,7 +63,7 @@ def fail_lost(trials: Trials, retry: bool) -> None:
                and (str(t.user_attrs["array"]), int(t.user_attrs.get("worker", -1))) != here]
     if not running:
         return
-    alive = squeue_alive(sorted({str(t.user_attrs["array"]) for t in running}))
+    alive = squeue_states(sorted({str(t.user_attrs["array"]) for t in running}))
     if alive is None:
         return
     for t in running:

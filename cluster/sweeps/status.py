@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.job.nodes import ask
 from cluster.sweeps import report as sweep_report
 from cluster.sweeps.folder import SweepFile, log_path
-from cluster.sweeps.lost import fail_lost, job_indexes
+from cluster.sweeps.lost import fail_lost, squeue_states, task_states
 from cluster.sweeps.trials import Row, columns, show
 from trainer.core.errors import UserError
 
@@ -33,27 +32,10 @@ def slurm_states(arrays: list[str]) -> dict[tuple[str, int], str]:
     completed stays REQUEUED in accounting for good. When squeue cannot answer, sacct's as it is."""
     if not arrays:
         return {}
-    joined = ",".join(arrays)
-    live = _states(["squeue", "-h", "-r", "-j", joined, "-o", "%i|%T"], arrays)
-    accounted = _states(["sacct", "-j", joined, "-n", "-P", "-X", "--format=JobID,State"], arrays) or {}
+    live = squeue_states(arrays)
+    accounted = task_states(["sacct", "-j", ",".join(arrays), "-n", "-P", "-X", "--format=JobID,State"], arrays) or {}
     states = {task: state if live is None or state in FINISHED else "ended" for task, state in accounted.items()}
     return {**states, **(live or {})}
-
-
-def _states(cmd: list[str], arrays: list[str]) -> dict[tuple[str, int], str] | None:
-    """Each task's state in one Slurm command's ``JobID|State`` lines; None when it cannot answer (squeue's
-    "Invalid job id": every job gone from the controller, so none listed)."""
-    proc = ask(cmd)
-    if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
-        return None
-    states: dict[tuple[str, int], str] = {}
-    for line in (proc.stdout if proc.returncode == 0 else "").splitlines():
-        job, _, state = line.strip().partition("|")
-        for a in arrays:
-            for i in job_indexes(job, a):
-                if state.split():
-                    states.setdefault((a, i), state.split()[0].lower())  # "CANCELLED by 0" → cancelled
-    return states
 
 
 def read_sweep(sweep_dir: Path) -> SweepFile:
