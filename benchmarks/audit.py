@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import recovery
-from benchmarks.common import ROOT, clean_env, dev_cluster_env, machine, pairs, processes, publish, show, spread
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, machine, pairs, publish, show, spread
 from benchmarks.outside import Throttle, pin
+from benchmarks.procfs import processes
 
 OFF = ["audit.straggler_steps=0", "audit.replicas_every_steps=-1"]
 PARTS = ("overhead", "cost", "detection", "workload", "alarms")

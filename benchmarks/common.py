@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,19 +175,6 @@ def dev_cluster_env(version: str = "") -> dict[str, str] | None:
         if m:
             env[m.group(1)] = string.Template(" ".join(shlex.split(m.group(2)))).safe_substitute(env)
     return env
-
-
-def processes() -> Iterator[tuple[int, dict[str, str], list[str]]]:
-    """Every process this user may read: (pid, its environment, its argv), to fault one from outside."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():  # /proc/sys, /proc/self …: not processes to read
-            continue
-        try:
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-            argv = (proc / "cmdline").read_text().split("\0")
-        except (OSError, ValueError):
-            continue
-        yield int(proc.name), env, argv
 
 
 def standalone(name: str, measure: Callable[[int, Path], dict[str, Any]], section: Callable[[dict[str, Any]], list[str]],

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, dev_cluster_env, machine, processes, publish
+from benchmarks.common import ROOT, dev_cluster_env, machine, publish
+from benchmarks.procfs import STIME, UTIME, processes, stat
 from benchmarks.recovery import events_of, wait_until
 from trainer.runtime.records.attempts import attempts, figures, recoveries
 
@@ -46,11 +47,10 @@ def _submit(run: Path, env: dict[str, str], regroup: bool) -> str:
 
 
 def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    fields = stat(pid)
+    if fields is None:
         return -1.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[UTIME]) + int(fields[STIME])) / os.sysconf("SC_CLK_TCK")
 
 
 def _training(job: str) -> list[tuple[int, str]]:

@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks.procfs import PARENT, pids, stat
+
 CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -56,10 +58,10 @@ def pin(pid: int, cores: set[int]) -> int:
     """Every thread of ``pid`` and of its child processes (loader workers) on ``cores``; threads and children started
     later inherit it. Returns how many threads were pinned."""
     family, pinned = {pid}, 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
-                family.add(int(stat.parent.name))
+    for other in pids():
+        fields = stat(other)
+        if fields is not None and int(fields[PARENT]) == pid:
+            family.add(other)
     for member in family:
         for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
             with contextlib.suppress(OSError):

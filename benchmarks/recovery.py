@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, processes, show, spread, standalone
+from benchmarks.common import ROOT, clean_env, dev_cluster_env, each, machine, show, spread, standalone
+from benchmarks.procfs import processes
 from trainer.runtime.records.attempts import IN_PLACE, PHASES, attempts, recoveries
 
 ARGS = ["data.synthetic_train_size=1024", "data.synthetic_test_size=256", "data.num_workers=0", "train.epochs=2",

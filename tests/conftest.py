@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.procfs import GROUP, STATE, pids, stat
 from tests import warm
 from trainer.core.env import without_placement
 
@@ -198,15 +199,15 @@ def kernel_waits(group: int) -> str:
     """Each process of a process group (a rank and its loader workers) with its state (T: stopped) and, per thread,
     the kernel function it sleeps in: where a hang waits, even for a process whose Python stacks cannot be dumped."""
     lines = []
-    for stat in sorted(Path("/proc").glob("[0-9]*/stat"), key=lambda p: int(p.parent.name)):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != group:  # field 5: the process group
-                continue
-            proc = stat.parent
+    for pid in pids():
+        fields = stat(pid)
+        if fields is None or int(fields[GROUP]) != group:
+            continue
+        with contextlib.suppress(OSError):
+            proc = Path(f"/proc/{pid}")
             cmd = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
             waits = sorted(t.joinpath("wchan").read_text() or "running" for t in proc.glob("task/[0-9]*"))
-            lines.append(f"pid {proc.name} state {fields[0]} {cmd}\n  threads in: {', '.join(waits)}\n")
+            lines.append(f"pid {pid} state {fields[STATE]} {cmd}\n  threads in: {', '.join(waits)}\n")
     return "".join(lines) or "(none left)\n"
 
 

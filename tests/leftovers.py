@@ -15,9 +15,10 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+
+from benchmarks.procfs import PARENT, STATE, alive, pids, processes, stat
 
 PR_SET_CHILD_SUBREAPER = 36
 KEPT: set[int] = set()  # long-lived helpers of the whole session (the warm server, tests/warm/), not a test's leftovers
@@ -37,15 +38,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def descendants(root: int) -> set[int]:
     """Every live (not zombie) process below ``root``, from /proc."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
+    for pid in pids():
+        fields = stat(pid)
+        if fields is not None and fields[STATE] != "Z":
+            children.setdefault(int(fields[PARENT]), []).append(pid)
     found: set[int] = set()
     todo = [root]
     while todo:
@@ -83,24 +79,15 @@ def outliving(slurm: dict[str, str], wait_s: float = 60) -> dict[int, str]:
     """Processes of this dev cluster's jobs (their SLURM_CONF is its own) whose job Slurm no longer lists: what a
     job left running after its end (Slurm's proctrack/linuxproc lets a daemonised child outlive its job). A job that
     has just ended gets ``wait_s`` for its processes to exit. pid → what it runs."""
-    from benchmarks.common import processes
-
     deadline = time.monotonic() + wait_s
     while True:
         queued = queued_jobs(slurm)
         found = {pid: f"{' '.join(argv)[:160]} (job {env['SLURM_JOB_ID']})" for pid, env, argv in processes()
                  if env.get("SLURM_JOB_ID") and env.get("SLURM_CONF") == slurm.get("SLURM_CONF")
-                 and env["SLURM_JOB_ID"] not in queued and _alive(pid)}
+                 and env["SLURM_JOB_ID"] not in queued and alive(pid)}
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(autouse=True)

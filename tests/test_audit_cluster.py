@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import processes
 from benchmarks.outside import CpuQuota
+from benchmarks.procfs import processes
 
 from .conftest import faults, go, held
 from .test_healing import SLOW, events, finished, reference, submit

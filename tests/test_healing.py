@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import processes
+from benchmarks.procfs import PARENT, processes, stat
 from cluster.job.nodes import parse_fields
 
 from .conftest import ROOT, SMALL, faults, go, held, ok, run_trainer
@@ -59,11 +59,8 @@ def kill_rank(job: str, rank: int | None, restart: int, script: str | None = Non
         if ours and which and trainer:
             found[pid] = env["SLURMD_NODENAME"]
     for pid, node in found.items():
-        try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent not in found:
+        fields = stat(pid)
+        if fields is not None and int(fields[PARENT]) not in found:
             os.kill(pid, sig)
             return node
     raise AssertionError(f"no process of rank {rank} in attempt {restart} of job {job}")

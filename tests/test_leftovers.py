@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.procfs import alive
+
 from .conftest import ROOT
 from .test_slurm import slurm_env
 
@@ -32,14 +34,6 @@ def test_hangs_with_ranks_and_an_orphan(tmp_path):
 def test_after_it_runs():
     assert True
 '''
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def run_inner(tmp_path: Path, text: str, env: dict[str, str], timeout: int = 6) -> subprocess.CompletedProcess[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.procfs import alive
 from cluster.__main__ import main as cluster_main
 from cluster.launch.command import Trainer
 from cluster.profile import load_profile
@@ -460,7 +461,7 @@ def test_the_relay_ends_with_its_trial_and_the_script_kills_the_relay_itself(
                            timeout=60)
     started, said = (tmp_path / "pid").read_text().strip(), shell.stdout.split()
     assert said == [started, "done"], (said, started, shell.stderr)
-    assert not Path(f"/proc/{started}").exists() or "Z" in Path(f"/proc/{started}/stat").read_text().split()[2]
+    assert not alive(started)
 
 
 def test_a_trial_whose_worker_slurm_no_longer_lists_is_failed_and_run_again(

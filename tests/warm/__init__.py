@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.procfs import CSTIME, CUTIME, stat
 from tests.warm.shim import LOAD_TIME, customized, forkable, load_time
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,11 +114,9 @@ def children_cpu() -> float:
     """CPU seconds of the processes this pytest process's servers have forked and reaped so far."""
     total = 0.0
     for server in filter(None, _servers.values()):
-        try:
-            fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime + cstime
+        fields = stat(server.proc.pid)
+        if fields is not None:
+            total += (int(fields[CUTIME]) + int(fields[CSTIME])) / os.sysconf("SC_CLK_TCK")
     return total
 
 
