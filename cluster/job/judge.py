@@ -97,7 +97,10 @@ def judge(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
     if went_on := _went_on(records):  # the lost ranks' nodes are blamed: evidence for suspects, no restart
         return Verdict(exits.FINISHED, went_on[0], blame=went_on[1], step=step)
     if causes:
-        return _first_cause(causes, step)
+        first = _first_cause(causes, step)
+        if first.kind == exits.INFRASTRUCTURE and not first.hard and (oom := _memory_limit(srun, step)):
+            return oom  # Slurm's memory limit explains a kill (a loader worker's, say) that a rank only saw
+        return first
     if rc == 0:  # srun saw every task exit 0
         return Verdict(exits.FINISHED, "every rank finished", step=step)
     if marker and marker.deadline:
@@ -132,6 +135,15 @@ def _first_cause(causes: list[ExitRecord], step: int | None) -> Verdict:
                    hard=any(c.hard for c in infra))
 
 
+def _memory_limit(srun: list[tuple[str, str, str]], step: int | None) -> Verdict | None:
+    """srun's word that the job's memory limit killed a task (Slurm's cgroup OOM killer), as the verdict, if it said so."""
+    oom = [s for s in srun if "out of memory" in s[2].lower()]
+    if not oom:
+        return None
+    return Verdict(exits.RESOURCE, f"task {oom[0][1]} on {oom[0][0]}: {oom[0][2]} (the job's memory limit: ask for "
+                   "more memory per task, or use less)", step=step)
+
+
 def _without_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], rc: int,
                    step: int | None) -> Verdict:
     """No rank recorded why: srun's own lines decide (only a kill or a failed launch is evidence against a node)."""
@@ -139,10 +151,8 @@ def _without_cause(records: list[ExitRecord], srun: list[tuple[str, str, str]], 
     refused = [s for s in srun if s[1] == "step"]
     if refused and not records:  # no task started: Slurm's placement failed, not the code (no node to blame)
         return Verdict(exits.INFRASTRUCTURE, f"srun could not create the job step: {refused[0][2]}", step=step)
-    oom = [s for s in srun if "out of memory" in s[2].lower()]
-    if oom:
-        return Verdict(exits.RESOURCE, f"task {oom[0][1]} on {oom[0][0]}: {oom[0][2]} (the job's memory limit: ask "
-                       "for more memory per task, or use less)", step=step)
+    if oom := _memory_limit(srun, step):
+        return oom
     killed = [s for s in srun if s[1] == "launch" or any(k in s[2] for k in KILLED)]
     if killed:
         node, tasks, how = killed[0]

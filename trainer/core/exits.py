@@ -40,6 +40,10 @@ DEVICE = re.compile(r"nccl error|uncorrectable ecc|\bxid\b|cudaerrorlaunchfailur
                     r"instruction|unspecified launch failure|uncorrectable|ecc|misaligned)", re.I)
 """Message fragments of a failing GPU or interconnect: the node's fault (a device-side assert is the code's)."""
 
+LOADER_KILLED = re.compile(r"dataloader worker \(pid \d+\) is killed by signal: (\w[\w ]*)", re.I)
+"""torch's word for a loader worker ended by a signal: ``Killed`` (SIGKILL from outside the code: the OOM killer, a
+person, a daemon) or ``Bus error`` (shared memory, /dev/shm, exhausted); another signal (a segfault) is the code's."""
+
 FULL = (errno.ENOSPC, errno.EDQUOT)
 """A write that found no room (a disk or quota, /dev/shm): the job's resource, not its code; a retry finds it full."""
 
@@ -181,6 +185,8 @@ def classify(exc: BaseException) -> dict[str, Any]:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = _first_sentence(text)
     low = text.lower()
+    if (worker := LOADER_KILLED.search(text)) and (killed := _loader_killed(worker[1], first)):
+        return killed
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
     if (disk := storage_error(exc)) is not None:  # torch.save hides the OSError behind an empty RuntimeError
@@ -200,6 +206,18 @@ def classify(exc: BaseException) -> dict[str, Any]:
     if DEVICE.search(text) or type(exc).__name__ == "DistBackendError":  # hard evidence against the node
         return {"class": INFRASTRUCTURE, "cause": f"device or interconnect error: {first}", "echo": False, "hard": True}
     return {"class": USER_ERROR, "cause": first, "echo": False, "where": where(exc)}
+
+
+def _loader_killed(how: str, first: str) -> dict[str, Any] | None:
+    """A loader worker killed by SIGKILL: retried and nobody blamed (the judge makes it the memory limit's when srun
+    says so); out of shared memory: the job's resource. None for another signal (the code's own crash)."""
+    if how.lower() == "killed":
+        return {"class": INFRASTRUCTURE, "cause": "a loader worker was killed from outside the code (SIGKILL: the "
+                f"OOM killer, a person or a daemon): {first}", "echo": False, "blame": []}
+    if how.lower() == "bus error":
+        return {"class": RESOURCE, "cause": "the loader workers ran out of shared memory (/dev/shm): give the "
+                f"container more (--shm-size) or use fewer workers: {first}", "echo": False}
+    return None
 
 
 def storage_error(exc: BaseException) -> OSError | None:
