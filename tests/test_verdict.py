@@ -321,6 +321,7 @@ def test_a_storm_of_attempts_without_progress_stops_the_job(progressed: bool | N
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error"), "infrastructure", False),
     (MemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "resource", False),
     (MemoryError(), "resource", False),  # the host's: Python raises it without a message
+    (OSError(12, "Cannot allocate memory"), "resource", False),  # a fork (loader workers) the host cannot hold
     (ValueError("shape mismatch"), "user_error", False),
     # the survivors could not go on in place: an echo of the lost rank (whose node srun's line names), no cause
     (RegroupFailed("rank 2 lost and the others could not go on in place (UserError: …)"), "infrastructure", True),

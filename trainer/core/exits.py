@@ -189,7 +189,7 @@ def classify(exc: BaseException) -> dict[str, Any]:
         return killed
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
-    if isinstance(exc, MemoryError):  # the host's memory (Python's own, often without a message)
+    if isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM:  # the host's (a fork too)
         return {"class": RESOURCE, "cause": f"out of host memory: {first.rstrip(':')}", "echo": False}
     if (disk := storage_error(exc)) is not None:  # torch.save hides the OSError behind an empty RuntimeError
         cause = _first_sentence(f"{disk.strerror or disk}{f': {disk.filename}' if disk.filename else ''}")
