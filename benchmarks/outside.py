@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from benchmarks.procfs import PARENT, pids, stat
+from benchmarks.procfs import children
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -57,11 +57,7 @@ class Throttle:
 def pin(pid: int, cores: set[int]) -> int:
     """Every thread of ``pid`` and of its child processes (loader workers) on ``cores``; threads and children started
     later inherit it. Returns how many threads were pinned."""
-    family, pinned = {pid}, 0
-    for other in pids():
-        fields = stat(other)
-        if fields is not None and int(fields[PARENT]) == pid:
-            family.add(other)
+    family, pinned = {pid, *children(pid)}, 0
     for member in family:
         for task in Path(f"/proc/{member}/task").glob("[0-9]*"):
             with contextlib.suppress(OSError):

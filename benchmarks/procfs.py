@@ -39,6 +39,11 @@ def stat(pid: int | str) -> list[str] | None:
         return None
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a rank's loader workers), live or not yet reaped."""
+    return [p for p in pids() if (fields := stat(p)) is not None and int(fields[PARENT]) == pid]
+
+
 def alive(pid: int | str) -> bool:
     """Whether ``pid`` runs or is stopped: a zombie (ended, not yet reaped) does not."""
     fields = stat(pid)

@@ -40,9 +40,11 @@ DEVICE = re.compile(r"nccl error|uncorrectable ecc|\bxid\b|cudaerrorlaunchfailur
                     r"instruction|unspecified launch failure|uncorrectable|ecc|misaligned)", re.I)
 """Message fragments of a failing GPU or interconnect: the node's fault (a device-side assert is the code's)."""
 
-LOADER_KILLED = re.compile(r"dataloader worker \(pid \d+\) is killed by signal: (\w[\w ]*)", re.I)
+LOADER_KILLED = re.compile(r"dataloader worker \(pid(?:\(s\))? [\d, ]+\) "
+                           r"(?:is killed by signal: (\w[\w ]*)|exited unexpectedly)", re.I)
 """torch's word for a loader worker ended by a signal: ``Killed`` (SIGKILL from outside the code: the OOM killer, a
-person, a daemon) or ``Bus error`` (shared memory, /dev/shm, exhausted); another signal (a segfault) is the code's."""
+person, a daemon) or ``Bus error`` (shared memory, /dev/shm, exhausted); another signal (a segfault) is the code's.
+"exited unexpectedly" is the same SIGKILL when the loader notices the dead worker before its SIGCHLD handler does."""
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 """A write that found no room (a disk or quota, /dev/shm): the job's resource, not its code; a retry finds it full."""
@@ -185,7 +187,7 @@ def classify(exc: BaseException) -> dict[str, Any]:
     text = f"{type(exc).__name__}: {exc}".strip()
     first = _first_sentence(text)
     low = text.lower()
-    if (worker := LOADER_KILLED.search(text)) and (killed := _loader_killed(worker[1], first)):
+    if (worker := LOADER_KILLED.search(text)) and (killed := _loader_killed(worker[1] or "killed", first)):
         return killed
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
