@@ -8,10 +8,12 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from cluster.job.nodes import ask
 from cluster.launch.command import Work
 from cluster.launch.render import (
     RUN_DIR_DEFAULT,
@@ -236,15 +238,44 @@ def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Record
     print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
     if not wait:
         return 0
+    if not ended(job):
+        return _failed(job, f"it ended without a result (Slurm no longer lists it; accounting says {job.state})")
     try:
         results = job.results()
     except Exception as exc:  # submitit re-raises the task's error with its log
         errors = [line for line in str(exc).splitlines() if "Error:" in line]  # the task's own error, not the trace
-        print(f"job {job.job_id} failed: {errors[-1].strip() if errors else exc}", file=sys.stderr)
-        for path in (job.paths.stdout, job.paths.stderr):
-            print(f"--- last lines of {path}", file=sys.stderr)
-            print(tail(Path(path)), end="", file=sys.stderr)
-        return 1
+        return _failed(job, errors[-1].strip() if errors else str(exc))
     for line in s.work.results(str(job.job_id), results):
         print(line)
     return 0
+
+
+def ended(job: Any, poll_s: float = 2.0, grace_s: float = 15.0) -> bool:
+    """Wait until submitit's ``job`` is over: True once its results are in or submitit's sacct watch says it ended;
+    False once squeue has not listed it for ``grace_s`` and it left no results. A job cancelled while its requeue
+    completed stays REQUEUED in accounting for good, so submitit's own wait (``results()``) would never return."""
+    gone_since: float | None = None
+    while not job.done():
+        now = time.monotonic()
+        if gone_since is None and _unlisted(str(job.job_id)):
+            gone_since = now
+        if gone_since is not None and now - gone_since >= grace_s:  # its results may reach a shared disk late
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def _unlisted(job: str) -> bool:
+    """Whether squeue answered and no longer lists ``job`` (never concluded from a squeue that failed)."""
+    proc = ask(["squeue", "-h", "-j", job, "-o", "%T"])
+    if proc is None:
+        return False
+    return "Invalid job id" in proc.stderr if proc.returncode else not proc.stdout.strip()
+
+
+def _failed(job: Any, why: str) -> int:
+    print(f"job {job.job_id} failed: {why}", file=sys.stderr)
+    for path in (job.paths.stdout, job.paths.stderr):
+        print(f"--- last lines of {path}", file=sys.stderr)
+        print(tail(Path(path)), end="", file=sys.stderr)
+    return 1
