@@ -12,11 +12,14 @@ import errno
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +170,46 @@ def ended(code: int, info: dict[str, Any], phase: str = "train", rank: int | Non
     _written[str(path)] = True
     if _without:
         more["went_on_without"] = sorted(_without)
-    write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=code, **info, **more)
+    done = False
+    try:
+        with signals_deferred():
+            write(path, rank=int(path.stem.rsplit("-", 1)[1]), phase=phase, code=code, **info, **more)
+            done = True
+    finally:  # a write cut short (an error, a handler run before the hold): whoever catches it records the end
+        _written[str(path)] = done
+
+
+ASYNC_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+                 signal.SIGALRM)
+"""Signals that arrive from outside at any moment; their Python handlers may raise. torch's loader SIGCHLD handler
+raises while a dead worker is registered, at every child's exit: two killed workers used to cut an end record short."""
+
+
+@contextmanager
+def signals_deferred(signums: Iterable[int] = ASYNC_SIGNALS) -> Iterator[None]:
+    """Run the Python handlers of ``signums`` that arrive meanwhile after the block, once each. Python runs them in
+    the main thread only (between any two bytecodes, whichever thread the signal reached), so elsewhere this is a
+    no-op. A handler replaced inside the block (a session restoring the default) stays, and gets them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        came.append(signum)
+
+    saved = {s: h for s in signums if callable(h := signal.getsignal(s))}
+    for signum in saved:
+        signal.signal(signum, note)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if signal.getsignal(signum) is note:
+                signal.signal(signum, handler)
+        for signum in dict.fromkeys(came):  # to the handler set now (SIG_DFL's action for a restored default)
+            now = signal.getsignal(signum)
+            now(signum, None) if callable(now) else signal.raise_signal(signum)
 
 
 def went_on_without(ranks: list[int]) -> None:
@@ -189,6 +231,9 @@ def classify(exc: BaseException) -> dict[str, Any]:
     low = text.lower()
     if (worker := LOADER_KILLED.search(text)) and (killed := _loader_killed(worker[1] or "killed", first)):
         return killed
+    if _handover_lost(exc):
+        return {"class": INFRASTRUCTURE, "cause": "a loader worker died while handing over a batch (its process is "
+                f"gone: killed from outside the code, e.g. by the OOM killer): {first}", "echo": False, "blame": []}
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in low:
         return {"class": RESOURCE, "cause": f"out of memory: {first}", "echo": False}
     if isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM:  # the host's (a fork too)
@@ -222,6 +267,13 @@ def _loader_killed(how: str, first: str) -> dict[str, Any] | None:
         return {"class": RESOURCE, "cause": "the loader workers ran out of shared memory (/dev/shm): give the "
                 f"container more (--shm-size) or use fewer workers: {first}", "echo": False}
     return None
+
+
+def _handover_lost(exc: BaseException) -> bool:
+    """A batch in shared memory whose loader worker is gone: the fetch of its file descriptor from that worker
+    (``rebuild_storage_fd``, through multiprocessing's resource sharer) failed to connect or was cut off."""
+    return isinstance(exc, (ConnectionError, FileNotFoundError, EOFError)) and any(
+        frame.f_code.co_name == "rebuild_storage_fd" for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def storage_error(exc: BaseException) -> OSError | None:

@@ -387,9 +387,11 @@ class Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc is not None:  # the loop raised: the report shows how the attempt ended
-            exits.raised(exc, self.origin, self.step, self.events.emit)
-        self.close(exit_code=0 if kind is None else 1)
+        # After a loader worker's death torch's SIGCHLD handler raises at every child's exit until close shuts it down
+        with exits.signals_deferred([signal.SIGCHLD]):
+            if exc is not None:  # the loop raised: the report shows how the attempt ended
+                exits.raised(exc, self.origin, self.step, self.events.emit)
+            self.close(exit_code=0 if kind is None else 1)
 
 
 def _opened(parts: Parts | None) -> Parts:
