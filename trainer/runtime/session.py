@@ -345,7 +345,6 @@ class Session:
         """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
         and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
         p = _opened(self.parts)
-        run = p.run
         self.heartbeat.stop()
         self.checkpointer.wait()
         if self.saves.saved_step != self.step:
@@ -357,9 +356,9 @@ class Session:
             return p.group.audit.end()
         if self.preempted:
             at_limit = self.deadline or self.saves.policy.signal_at_limit(self.job.signal_grace_s)  # rank 0 marks
-            return self.saves.requeue(run, self.step, self.preempted_by.name if self.preempted_by else None, at_limit)
+            return self.saves.requeue(p.run, self.step, self.preempted_by.name if self.preempted_by else None, at_limit)
         outcome = "pruned" if p.reports.pruned else "finished"
-        self.summary = summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(run.path), "checkpoint": path,
+        self.summary = summary = {"outcome": outcome, "exit_code": 0, "run_dir": str(p.run.path), "checkpoint": path,
                    "global_step": self.step, "world_size": self.env.world_size, "rank": self.env.rank,
                    "resumed_from": str(self.resumed.path) if self.resumed else None,
                    "tracking_run_id": self.tracker.run_id, "checkpoint_stall_s": round(self.saves.stall_s, 4),
@@ -387,8 +386,7 @@ class Session:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        # After a loader worker's death torch's SIGCHLD handler raises at every child's exit until close shuts it down
-        with exits.signals_deferred([signal.SIGCHLD]):
+        with exits.signals_deferred([signal.SIGCHLD]):  # torch's raises after a worker died, till close
             if exc is not None:  # the loop raised: the report shows how the attempt ended
                 exits.raised(exc, self.origin, self.step, self.events.emit)
             self.close(exit_code=0 if kind is None else 1)
