@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from .conftest import SMALL, faults, ok, outputs, result_of, run_trainer, spawn_ranks
+from .conftest import ROOT, SMALL, clean_env, faults, ok, outputs, result_of, run_trainer, spawn_ranks
 from .wandb_records import summary
 
 OFFLINE = [a for a in SMALL if not a.startswith("tracking.")] + ["tracking.mode=offline", "train.log_every=4"]
@@ -73,3 +75,25 @@ def test_broken_wandb_warns_and_training_goes_on(tmp_path: Path) -> None:
     proc = ok(run_trainer([*OFFLINE, f"run.dir={run}", f"tracking.dir={blocker}/wandb"], tmp_path))
     assert "W&B tracking disabled after an error" in proc.stderr
     assert result_of(run)["global_step"] == 32  # trained to the end
+
+
+def test_a_finished_offline_run_leaves_nothing_in_the_temporary_folder(tmp_path: Path) -> None:
+    """wandb makes two folders in TMPDIR at import, removed by finalizers a rank never runs (it ends with os._exit,
+    errors.exit_now): every rank 0 with W&B on used to leave both in the node's /tmp."""
+    temp, run = tmp_path / "tmp", tmp_path / "run"
+    temp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "trainer", *OFFLINE, f"run.dir={run}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=clean_env({"TMPDIR": str(temp), "WANDB_DIR": str(tmp_path)}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_files(run), "no offline W&B run was written"
+    assert [p.name for p in temp.iterdir() if "wandb" in p.name] == []  # (torch's shared cache folder may stay)
+
+
+def test_the_wandb_folders_removed_at_exit_are_where_the_adapter_looks() -> None:
+    """The private names trainer/runtime/records/wandb_folders.py uses, in the installed wandb."""
+    import wandb  # noqa: F401  (imports the modules that make them)
+
+    from trainer.runtime.records.wandb_folders import folders
+
+    found = folders()
+    assert len(found) == 2 and all(Path(f.name).is_dir() for f in found), found

@@ -27,9 +27,23 @@ def exit_now(code: int) -> NoReturn:
     ~AsyncBarrierWork → ~AsyncAllgatherWork → a tensor's Python decref → take_gil → pthread_exit).
     Everything has been written and closed by then; only stdout and stderr are left to flush.
     """
+    for fn in reversed(_at_exit):  # what the skipped exit handlers would have done that outlives the process
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the exit code stands; say what was left
+            print(f"warning: at exit, {getattr(fn, '__qualname__', fn)}: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_at_exit: list[Callable[[], None]] = []
+
+
+def at_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in :func:`exit_now`, which skips the interpreter's exit handlers and finalizers (once per ``fn``)."""
+    if fn not in _at_exit:
+        _at_exit.append(fn)
 
 
 class UserError(Exception):

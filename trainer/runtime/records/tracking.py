@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.env import DistEnv, JobInfo
+from trainer.core.errors import at_exit
 from trainer.core.files import write_json
 from trainer.core.schema import Config
+from trainer.runtime.records import wandb_folders
 
 STATE_EVERY_S = 30.0
 """How stale the last logged step in tracking.json may grow while metrics are logged between checkpoints."""
@@ -74,6 +76,8 @@ class Tracker:
 
     def _start(self, config: dict[str, Any], run_id: str | None) -> None:
         import wandb
+
+        at_exit(wandb_folders.remove)  # its import made two folders in TMPDIR that os._exit would leave
 
         saved = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
         self.run_id = run_id or saved.get("run_id") or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
