@@ -197,9 +197,10 @@ def status_cmd(ns: argparse.Namespace) -> int:
 
 
 def logs_cmd(ns: argparse.Namespace) -> int:
+    from cluster.job.nodes import job_state_now
     from cluster.runs.logs import show
     from cluster.runs.status import resolve
-    from cluster.runs.table import LIVE, job_state_now
+    from cluster.runs.table import LIVE
 
     record = resolve(ns.run)
 

@@ -29,6 +29,14 @@ def ask(cmd: list[str]) -> subprocess.CompletedProcess[str] | None:
         return None
 
 
+def job_state_now(job: str) -> str | None:
+    """One job's squeue state ("" once squeue no longer lists it); None when squeue does not answer."""
+    proc = ask(["squeue", "-h", "-j", job, "-o", "%T"])
+    if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
+        return None
+    return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+
+
 def _run(*cmd: str) -> tuple[int, str]:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)

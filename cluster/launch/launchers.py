@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from cluster.job.nodes import ask
+from cluster.job.nodes import job_state_now
 from cluster.launch.command import Work
 from cluster.launch.render import (
     RUN_DIR_DEFAULT,
@@ -257,20 +257,12 @@ def ended(job: Any, poll_s: float = 2.0, grace_s: float = 15.0) -> bool:
     gone_since: float | None = None
     while not job.done():
         now = time.monotonic()
-        if gone_since is None and _unlisted(str(job.job_id)):
+        if gone_since is None and job_state_now(str(job.job_id)) == "":  # squeue answered, and no longer lists it
             gone_since = now
         if gone_since is not None and now - gone_since >= grace_s:  # its results may reach a shared disk late
             return False
         time.sleep(poll_s)
     return True
-
-
-def _unlisted(job: str) -> bool:
-    """Whether squeue answered and no longer lists ``job`` (never concluded from a squeue that failed)."""
-    proc = ask(["squeue", "-h", "-j", job, "-o", "%T"])
-    if proc is None:
-        return False
-    return "Invalid job id" in proc.stderr if proc.returncode else not proc.stdout.strip()
 
 
 def _failed(job: Any, why: str) -> int:

@@ -66,14 +66,6 @@ def owner_of(job: str) -> str | None:
     return proc.stdout.split()[0] if proc is not None and proc.returncode == 0 and proc.stdout.split() else None
 
 
-def job_state_now(job: str) -> str | None:
-    """One job's squeue state ("" once squeue no longer lists it); None when squeue does not answer."""
-    proc = ask(["squeue", "-h", "-j", job, "-o", "%T"])
-    if proc is None or (proc.returncode and "Invalid job id" not in proc.stderr):
-        return None
-    return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
-
-
 @dataclass
 class Row:
     """One line of the table (``--json`` prints these)."""
