@@ -170,6 +170,31 @@ def test_a_stopped_rank_is_named_by_its_number_as_started_even_once_the_group_is
         (tmp_path / "report.txt").read_text()
 
 
+def test_a_regrouped_rank_records_its_hang_under_its_rank_as_started(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a regroup the group is origins (2, 5): this process (started as 5) is rank 1 now. Its hang record goes to
+    train-5.json, not to train-1.json (the lost rank 1's own record); the stuck rank 0, which wrote no beat, is found
+    on its node by its start record as 2, not by rank 0's."""
+    from trainer.core import exits
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(exits, "_started", {})
+    monkeypatch.setattr(exits, "_written", {})
+    folder = exits.record_path(rank=0)
+    assert folder is not None
+    for origin in (0, 1, 2):
+        exits.write(folder.with_name(f"train-{origin}.json"), rank=origin, phase="train", code=None, node=f"n{origin}")
+    exits.started(5)
+    hb = Heartbeat(DistEnv(1, 1, 2, 1, 0, 2, "127.0.0.1", 29500, None, "slurm"), tmp_path / "hang-1", 6.0)
+    hb.folder.mkdir()
+    _beat(hb.folder, 1, 40, "backward")
+    hb._record_hang(hb.folder, 2, 7.0, (2, 5))
+    lost = json.loads(folder.with_name("train-1.json").read_text())
+    mine = json.loads(folder.with_name("train-5.json").read_text())
+    assert lost["code"] is None  # untouched
+    assert mine["code"] == EXIT_HANG and mine["blame"] == ["n2"], mine
+
+
 @pytest.mark.parametrize(("beats", "world", "expect"), [
     ({0: 40, 1: 38, 2: 40, 3: 38}, 4, "stuck rank(s): 1, 3 "),
     ({0: 40, 1: 40}, 2, "all 2 ranks stopped at the same point"),
@@ -196,6 +221,24 @@ def test_set_aside_keeps_every_earlier_attempt(tmp_path: Path) -> None:
     assert not hang.exists()
     assert (tmp_path / f"hang-{stamp}" / "report.txt").read_text() == "first"
     assert (tmp_path / f"hang-{stamp}-2" / "report.txt").read_text() == "second"
+
+
+def test_a_new_attempt_sets_aside_every_regroup_generation_of_the_last_one(tmp_path: Path) -> None:
+    """The next attempt's regroups count from 1 again: an earlier attempt's hang-1/ and hang-2/ (stale beats and
+    reports that would satisfy rank 0's wait at once) go aside with hang/, as hang/ always did; set-aside ones stay."""
+    from trainer.runtime.records.rundir import RunDir
+    kept = tmp_path / "hang-20240102-030405"
+    for name in ("hang", "hang-1", "hang-2", kept.name):
+        _previous_attempt(tmp_path / name)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1)
+    try:
+        RunDir(tmp_path, ONE).create("seed: 1\n")
+    finally:
+        torch.distributed.destroy_process_group()
+    left = sorted(p.name for p in tmp_path.glob("hang*"))
+    stamp = f"{datetime.fromtimestamp(OLD_REPORT_TIME):%Y%m%d-%H%M%S}"
+    assert left == sorted([kept.name, f"hang-{stamp}-2", f"hang-1-{stamp}", f"hang-2-{stamp}"]), left
 
 
 class _Exited(Exception):

@@ -168,7 +168,7 @@ class Audit:
         has cleared the memory snapshots: after a disagreement they may hold the disputed state)."""
         assert self.stop is not None
         exits.ended(EXIT_AUDIT, exits.outcome(exits.INFRASTRUCTURE, self.stop.cause, blame=self.stop.blame),
-                    rank=self.env.rank, step=self.step)
+                    step=self.step)  # under this process's rank as started (a regroup renumbers)
         self.emit("exit", durable=True, code=EXIT_AUDIT, step=self.step, cause=self.stop.cause)
         return EXIT_AUDIT
 

@@ -173,7 +173,7 @@ class Heartbeat:
         self._collect(folder, rank, world, grace, silent, members)
         if self._went_on(folder, rank, world, grace, members):
             return
-        self._record_hang(folder, rank, world, silent)
+        self._record_hang(folder, world, silent, members)
         os._exit(EXIT_HANG)  # the main thread is stuck: only a hard exit leaves
 
     def _members(self, world: int) -> tuple[int, ...]:
@@ -223,19 +223,20 @@ class Heartbeat:
             time.sleep(0.1)
         return False
 
-    def _record_hang(self, folder: Path, rank: int, world: int, silent: float) -> None:
-        """This rank's exit record for the verdict: the stuck ranks' nodes are blamed (none when all wait alike)."""
+    def _record_hang(self, folder: Path, world: int, silent: float, members: tuple[int, ...]) -> None:
+        """This rank's exit record for the verdict: the stuck ranks' nodes are blamed (none when all wait alike).
+        Records go by rank as started, beats by place in the group (``members`` maps one to the other)."""
         beats = _beats(folder)
         stuck, whole = stuck_now(beats, world)
         nodes = sorted({b.get("host", "?") for r, b in beats.items() if r in stuck}) if not whole else []
         if any(r not in beats for r in stuck):  # stuck holding the GIL (no beat written): their start records say where
-            path = exits.record_path(rank=rank)
+            path = exits.record_path()
             where = {r.rank: r.node for r in exit_records(path.parent)} if path else {}
-            nodes = sorted({str(where.get(r, "?")) for r in stuck} - {"?"})
+            nodes = sorted({str(where.get(members[r] if members else r, "?")) for r in stuck} - {"?"})
         cause = f"hang: no progress for {silent:.0f} s; " + (
             f"stuck rank(s) {', '.join(map(str, stuck))} on {', '.join(nodes)}" if nodes
             else "every rank waits in the same collective (network or NCCL)")
-        exits.ended(EXIT_HANG, exits.outcome(exits.INFRASTRUCTURE, cause, blame=nodes), rank=rank, step=self.step)
+        exits.ended(EXIT_HANG, exits.outcome(exits.INFRASTRUCTURE, cause, blame=nodes), step=self.step)
 
 
 def _beats(folder: Path) -> dict[int, dict[str, Any]]:

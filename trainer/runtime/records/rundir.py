@@ -48,9 +48,11 @@ class RunDir:
                 (self.path / REQUEUE_MARKER).unlink(missing_ok=True)
                 # Before the broadcast below, so before any rank's watchdog: an earlier attempt's files would
                 # complete rank 0's wait for every rank at once and hand the other ranks a stale report.
-                moved = set_aside(self.path / HANG_FOLDER)
-                if moved:
-                    say(self.env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
+                # Every generation's folder (hang-k after the k-th regroup): the next attempt's regroups count from 1.
+                for folder in [self.path / HANG_FOLDER, *self.path.glob(f"{HANG_FOLDER}-*")]:
+                    generation = folder.name == HANG_FOLDER or folder.name[len(HANG_FOLDER) + 1:].isdigit()
+                    if generation and (moved := set_aside(folder)):
+                        say(self.env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
             except OSError as exc:
                 raise UserError("run.dir", f"cannot write {str(self.path)!r} ({exc.strerror})",
                                 "choose a folder this user can write, on storage every node shares") from None
