@@ -110,6 +110,23 @@ def test_a_snapshot_that_cannot_be_written_is_a_warning_not_a_lost_run(tmp_path:
     assert result_of(tmp_path / "run")["outcome"] == "finished"
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_snapshot_that_fails_on_one_node_stops_snapshots_on_every_rank(tmp_path: Path, strategy: str) -> None:
+    """Node n2's snapshot folder cannot be made (a file in its place: as /dev/shm full there), n1's can. DDP: n2's
+    background write fails and only n2 learns it, at the next snapshot; FSDP: n2 fails inside the save's stages.
+    Either way every rank agrees to stop snapshots and the run finishes, instead of the ranks waiting in different
+    collectives until the timeout."""
+    from trainer.checkpoint.memory import place
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    node_folder = place(str(shm), None, 0, run).parent / "n2"
+    node_folder.parent.mkdir(parents=True)
+    node_folder.write_text("no room here")
+    proc = ok(launch([*ARGS, f"dist.strategy={strategy}", "dist.timeout_s=60", f"run.dir={run}"], tmp_path,
+                     ["n1", "n2"], {"TRAINER_MEMORY_DIR": str(shm)}))
+    assert "warning: memory snapshots stop" in proc.stdout, proc.stdout
+    assert result_of(run)["outcome"] == "finished"
+
+
 @pytest.mark.parametrize(("memory", "environ", "strategy", "taken"), [
     ("auto", {}, "fsdp", False),                                          # a job that cannot restart in place
     ("auto", {"TRAINER_IN_PLACE": "1"}, "ddp", True),                     # spares or a node range

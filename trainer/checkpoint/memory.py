@@ -21,8 +21,10 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,30 +112,42 @@ class MemorySnapshots:
         from trainer.checkpoint.sharded import sharded_state
 
         tmp = self.folder / f".{PREFIX}{step:08d}.tmp"
-        if self.lead:
-            for stale in self.folder.glob(f".{PREFIX}*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
-        dcp_save(sharded_state(sharded, self.model), storage_writer=FileSystemWriter(str(tmp)))
+        rank0, meta = self.env.rank == 0, [b""]
+
+        def fresh() -> None:
+            if self.lead:
+                for stale in self.folder.glob(f".{PREFIX}*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        # Each stage's failure (a full /dev/shm on one node) is agreed before the next collective: a rank that
+        # raised alone would leave the others waiting in a collective it never joins.
+        _settle(fresh)
+        _settle(lambda: dcp_save(sharded_state(sharded, self.model), storage_writer=FileSystemWriter(str(tmp))))
         # Every rank's files (their names are DCP's own: "__<rank>_<n>.distcp"), the index, and the partner's copy.
         own = sorted(p.name for p in tmp.glob(f"__{self.env.rank}_*.distcp"))
-        if not own:
-            raise RuntimeError(f"a sharded snapshot wrote no __{self.env.rank}_*.distcp file in {tmp}")
+        _settle(lambda: _require(bool(own), f"a sharded snapshot wrote no __{self.env.rank}_*.distcp file in {tmp}"))
         names = sorted({n for ranks in _gather(own) for n in ranks} | {METADATA, EXTRA})
-        meta = _from_rank0((tmp / METADATA).read_bytes() if self.env.rank == 0 else None)
-        if self.lead:
-            if self.env.rank:
-                (tmp / METADATA).write_bytes(meta)
-            save_atomic(tmp / EXTRA, state, sync_dir=False)
-        self._swap_with_partner(tmp, own)
-        _barrier()
-        if self.lead:
-            final = self.folder / f"{PREFIX}{step:08d}"
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            self._commit(step, {p.name: p.stat().st_size for p in final.iterdir()}, names)
-        _barrier()
+        _settle(lambda: meta.__setitem__(0, (tmp / METADATA).read_bytes() if rank0 else b""))
+        meta[0] = _from_rank0(meta[0] if rank0 else None)
+
+        def extra() -> None:
+            if self.lead:
+                if not rank0:
+                    (tmp / METADATA).write_bytes(meta[0])
+                save_atomic(tmp / EXTRA, state, sync_dir=False)
+
+        _settle(extra)
+        _settle(lambda: self._swap_with_partner(tmp, own))
+
+        def commit() -> None:
+            if self.lead:
+                final = self.folder / f"{PREFIX}{step:08d}"
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                self._commit(step, {p.name: p.stat().st_size for p in final.iterdir()}, names)
+
+        _settle(commit)
 
     def _swap_with_partner(self, tmp: Path, own: list[str]) -> None:
         """Send this rank's shard files to the same local rank on the next node; take the previous node's."""
@@ -234,6 +248,34 @@ def _from_rank0(obj: Any) -> Any:
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, group=host_group())
     return box[0]
+
+
+def _settle(stage: Callable[[], Any]) -> None:
+    """Collective: run this rank's part of a stage, then agree whether every rank's went well (over the host group);
+    any failure raises a RuntimeError on every rank (its own cause where it failed), so all leave at the same point."""
+    cause = ""
+    try:
+        stage()
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not _from_dcp(exc):
+            raise
+        cause = f"{type(exc).__name__}: {exc}"
+    flag = torch.tensor([int(bool(cause))], dtype=torch.int32)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+    if flag.item():
+        raise RuntimeError(cause or "another rank's part of the snapshot failed")
+
+
+def _from_dcp(exc: BaseException) -> bool:
+    """Whether ``exc`` is DCP's CheckpointException (a BaseException), without importing DCP (seconds) to ask."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(exc, api.CheckpointException)
+
+
+def _require(ok: bool, cause: str) -> None:
+    if not ok:
+        raise RuntimeError(cause)
 
 
 def _barrier() -> None:

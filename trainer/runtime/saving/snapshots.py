@@ -122,10 +122,14 @@ class Snapshots:
         warning, and training goes on."""
         started = time.perf_counter()
         failed = ""
-        try:
-            self.store.save(state, sharded, step)
+        try:  # the last background write (a node's lead's alone) fails here, agreed below with this one's outcome
+            self.store.wait()
         except (OSError, RuntimeError) as exc:
             failed = f"{type(exc).__name__}: {exc}"[:200]
+        try:  # every rank takes part in the save's collectives, whichever failed before
+            self.store.save(state, sharded, step)
+        except (OSError, RuntimeError) as exc:
+            failed = failed or f"{type(exc).__name__}: {exc}"[:200]
         stall = time.perf_counter() - started
         flag = torch.tensor([int(bool(failed))], dtype=torch.int32)
         if self.env.world_size > 1:
