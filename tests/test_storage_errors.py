@@ -53,25 +53,38 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-@pytest.mark.parametrize("fmt", ["file", "dcp"])
+@pytest.mark.parametrize(("fmt", "background"), [("file", False), ("dcp", False), ("file", True), ("dcp", True)])
 def test_a_checkpoint_that_fills_the_disk_is_a_resource_not_the_users_error(tmp_path: Path, small_disk: Path,
-                                                                             fmt: str) -> None:
+                                                                             fmt: str, background: bool) -> None:
     """Two ranks: rank 0's record names the full disk and the file; rank 1's, which only heard of it, is an echo;
-    the verdict says resource whichever record was written first."""
+    the verdict says resource whichever record was written first. A save in the background fails the same way once
+    the next save or the run's end waits for it, on every rank (rank 0 alone commits)."""
     from cluster.job.judge import judge
     from trainer.core.records import exit_records
 
     run = tmp_path / "run"
     proc = run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=5", "checkpoint.memory=off",
-                        f"checkpoint.format={fmt}"], tmp_path, nproc=2, env={"RUN_DIR": str(run)})
+                        f"checkpoint.format={fmt}", f"checkpoint.async_save={str(background).lower()}",
+                        "dist.timeout_s=60"], tmp_path, nproc=2, env={"RUN_DIR": str(run)})
     assert proc.returncode != 0, proc.stdout
     (folder,) = (run / "exits").iterdir()
     records = {r.rank: r for r in exit_records(folder)}
     assert records[0].kind == "resource" and not records[0].echo, records
     assert records[0].cause.startswith("no room to write: No space left on device: "), records
-    if fmt == "file":  # rank 0 alone writes, and its error names the file
+    if fmt == "file" and not background:  # rank 0 alone writes, and its error names the file
         assert records[0].cause.endswith(str(small_disk / "step_00000005.pt")), records
     assert records[1].kind == "resource" and (records[1].echo or fmt == "dcp"), records
     verdict = judge(list(records.values()), [], 1, None)
     assert verdict.kind == "resource" and "no room to write" in verdict.cause, verdict
     assert list(small_disk.iterdir()) == []  # nothing half-written: it held the room a retry needs
+
+
+def test_a_final_save_in_the_background_that_fails_never_reports_the_run_finished(tmp_path: Path,
+                                                                                  small_disk: Path) -> None:
+    """checkpoint.async_save: the run's end saves blocking, so result.json never says "finished" (pointing at a
+    checkpoint) before that checkpoint is committed; the full disk ends the run as a resource error."""
+    run = tmp_path / "run"
+    proc = run_trainer([*SMALL, f"run.dir={run}", "checkpoint.every_steps=100000", "checkpoint.memory=off",
+                        "checkpoint.async_save=true"], tmp_path, nproc=2, env={"RUN_DIR": str(run)})
+    assert proc.returncode != 0, proc.stdout
+    assert not (run / "result.json").exists(), (run / "result.json").read_text()

@@ -41,6 +41,19 @@ class Checkpointer(ABC):
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
 
+    def wait_all(self) -> None:
+        """Collective: :meth:`wait` on every rank, rank 0's error raised on every rank (only rank 0 commits: a
+        failure it alone saw must not leave the others in the next collective)."""
+        own: RuntimeError | None = None
+        if not self.is_main:
+            try:
+                self.wait()  # this rank's part of a sharded save (DCP fails on every rank alike)
+            except RuntimeError as exc:
+                own = exc
+        self._on_main(self.wait, "background save")
+        if own is not None:
+            raise own
+
     def latest(self) -> Path | None:
         """The newest committed checkpoint in the folder, or None."""
         return layout.latest(self.folder)

@@ -84,7 +84,7 @@ class ShardedCheckpointer(Checkpointer):
         as ``extra.pt`` and commits."""
         from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-        self.wait()
+        self.wait_all()
         shards = sharded_state(sharded or {}, self.model)
         extra = dict(state, rng=gather(rng_state()))
         final = self.folder / f"{PREFIX}{step:08d}"

@@ -346,9 +346,9 @@ class Session:
         and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
         p = _opened(self.parts)
         self.heartbeat.stop()
-        self.checkpointer.wait()
+        self.checkpointer.wait_all()
         if self.saves.saved_step != self.step:
-            self.save(self.step)
+            self.save(self.step, blocking=True)  # committed before result.json says so and the snapshots go
         if p.snapshots:  # saved for good: the run's snapshots go (a failed attempt's stay for the restart)
             p.snapshots.close(finished=True)
         path = str(self.last_path)
