@@ -165,6 +165,20 @@ def test_the_built_in_trainer_resumed_on_another_world_size_ends_as_the_uninterr
     assert result_of(run)["global_step"] == 32
 
 
+def test_without_a_global_batch_a_resume_on_more_processes_still_trains_every_epoch(tmp_path: Path) -> None:
+    """1,024 samples, 32 per process: 32 steps an epoch on 1 process, 16 on 2. Saved at step 10 on 1 (320 samples
+    of epoch 0 read), resumed on 2: 11 steps finish epoch 0 and 16 make epoch 1, 37 in all; not the 32 that 2
+    processes would take from the start (which stopped 5 steps into epoch 1 and said finished)."""
+    run = tmp_path / "run"
+    args = [*SMALL, "checkpoint.poll_steps=1", "train.epochs=2", f"run.dir={run}"]
+    proc = run_trainer(args, tmp_path, nproc=1, env=faults(preempt_at_step=9))
+    assert proc.returncode != 0 and (run / "checkpoints" / "step_00000010.pt").exists(), proc.stdout + proc.stderr
+    ok(run_trainer(args, tmp_path, nproc=2))
+    assert result_of(run)["global_step"] == 37, result_of(run)
+    final = torch.load(result_of(run)["checkpoint"], weights_only=True)["loader"]
+    assert (final["epoch"], final["position"]) == (2, 0), final
+
+
 def test_a_global_batch_the_world_size_cannot_split_exits_2_before_training(tmp_path: Path) -> None:
     out = _ranks(["train.device=cpu", f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled"], tmp_path, 2, 0)
     assert "global batch 24" in out  # the script's own global batch splits; now one that does not:

@@ -101,8 +101,10 @@ class Trainer:
         self.accumulation = self.loader.accumulation
         if self.data.iterable:  # no length: train.max_steps (required) decides
             self.total_steps = cfg.train.max_steps
-        else:
-            self.total_steps = self.loader.epoch_steps * cfg.train.epochs
+        else:  # the steps done, then the rest of the epochs in this world size's steps (a resume may change them)
+            loader, epochs = self.loader, cfg.train.epochs
+            left = -(-loader.remaining() // self.accumulation) + (epochs - loader.epoch - 1) * loader.epoch_steps
+            self.total_steps = self.sess.step + left if loader.epoch < epochs else self.sess.step
             self.total_steps = min(self.total_steps, cfg.train.max_steps or self.total_steps)
 
     def restore(self) -> None:
