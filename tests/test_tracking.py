@@ -61,6 +61,18 @@ def test_restarts_continue_one_run_with_increasing_steps(tmp_path: Path) -> None
     assert steps[-1] == 32
 
 
+def test_a_run_started_afresh_in_a_used_folder_is_a_new_wandb_run_from_its_first_step(tmp_path: Path) -> None:
+    """checkpoint.resume=never in a folder where a run finished: not appended to that W&B run (whose logged steps
+    would hide the new run's first 16)."""
+    run = tmp_path / "run"
+    ok(run_trainer([*OFFLINE, f"run.dir={run}"], tmp_path))
+    first = json.loads((run / "tracking.json").read_text())["run_id"]
+    ok(run_trainer([*OFFLINE, f"run.dir={run}", "checkpoint.resume=never"], tmp_path))
+    (again,) = [summary(f) for f in run_files(run) if summary(f)["run_id"] != first]
+    assert sorted(again["history"])[0] == 4, again["history"]
+    assert json.loads((run / "tracking.json").read_text())["run_id"] == again["run_id"]
+
+
 def test_disabled_writes_nothing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     ok(run_trainer([*SMALL, f"run.dir={run}"], tmp_path))

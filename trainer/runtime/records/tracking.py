@@ -79,7 +79,8 @@ class Tracker:
 
         at_exit(wandb_folders.remove)  # its import made two folders in TMPDIR that os._exit would leave
 
-        saved = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        afresh = self.cfg.checkpoint.resume == "never"  # a new run in a used folder: not the old W&B run's steps
+        saved = json.loads(self.state_file.read_text()) if self.state_file.exists() and not afresh else {}
         self.run_id = run_id or saved.get("run_id") or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
         self.last_step = saved.get("last_step", -1) if saved.get("run_id") == self.run_id else -1
         self.floor = self.last_step  # logged by an earlier process: never again
