@@ -209,6 +209,23 @@ def test_sigterm_also_saves(tmp_path: Path) -> None:
     assert "SIGTERM received: saved" in outs[0]
 
 
+def test_ctrl_c_ends_in_one_line_with_exit_130_and_an_echo_record(tmp_path: Path) -> None:
+    """SIGINT (a terminal's Ctrl-C, or srun passing one on) while training: exit 130, one line and no traceback, and
+    a record that says so: an echo of a stop from outside, not the user's error "sys.exit(1)"."""
+    from trainer.core.records import exit_records
+    run = tmp_path / "run"
+    (rank,) = spawn_ranks([*SMALL, f"run.dir={run}"], tmp_path, world=1, env={**faults(wait_at_step=3),
+                                                                               "RUN_DIR": str(run)})
+    held(run, [rank])
+    os.killpg(rank.pid, signal.SIGINT)
+    (out,) = outputs([rank], timeout=120)
+    assert rank.returncode == 130, out
+    assert "interrupted (SIGINT)" in out and "Traceback" not in out, out
+    (record,) = exit_records(next((run / "exits").iterdir()))
+    assert (record.code, record.kind, record.echo, record.cause) == (130, "infrastructure", True,
+                                                                     "interrupted by SIGINT"), record
+
+
 def test_a_dead_rank_makes_the_other_exit_nonzero_instead_of_waiting(tmp_path: Path) -> None:
     run = tmp_path / "run"
     ranks = spawn_ranks([*SMALL, f"run.dir={run}", "dist.timeout_s=600"], tmp_path, env=faults(wait_at_step=7))

@@ -76,6 +76,10 @@ def recorded(fn: Callable[[], int], phase: str = "train") -> int:
         code = exit_code_of(fn)
     except SystemExit as exc:  # sys.exit(n) in the user's function
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the loop was
+        exits.ended(exits.EXIT_INTERRUPTED, exits.interrupted(), phase=phase)
+        print(f"{exits.node_name()}: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        return exits.EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - classified, recorded, then shown once
         if not record_failure(exc, phase)["echo"]:
             traceback.print_exc()

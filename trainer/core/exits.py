@@ -223,6 +223,16 @@ def outcome(kind: str, cause: str, **more: Any) -> dict[str, Any]:
     return {"class": kind, "cause": cause, **more}
 
 
+EXIT_INTERRUPTED = 130
+"""A process stopped by SIGINT (128 + 2, as a shell reports it)."""
+
+
+def interrupted() -> dict[str, Any]:
+    """The end of a process SIGINT stopped (Ctrl-C; srun or scancel passing it on): an echo of a stop from outside,
+    as ``trainer.launch`` classes a command SIGINT killed; never the user's error."""
+    return outcome(INFRASTRUCTURE, "interrupted by SIGINT", echo=True)
+
+
 def classify(exc: BaseException) -> dict[str, Any]:
     """An exception's class, one-line cause, and where (the innermost frame outside torch) for a user error.
     ``echo``: a collective lost its peer (this rank stopped because another ended first)."""
@@ -297,12 +307,13 @@ def storage_error(exc: BaseException) -> OSError | None:
 def raised(exc: BaseException, rank: int, step: int, emit: Any) -> None:
     """A session's loop raised ``exc``: an ``exit`` event (``emit``: the event log's) and, for an error or a
     ``sys.exit(n)``, this rank's exit record now (closing W&B may outlast srun's grace before its SIGKILL)."""
-    code = exc.code if isinstance(exc, SystemExit) else 1
-    info = {} if isinstance(exc, (SystemExit, KeyboardInterrupt)) else classify(exc)  # DCP's errors are BaseExceptions
+    stopped = isinstance(exc, KeyboardInterrupt)
+    code = exc.code if isinstance(exc, SystemExit) else EXIT_INTERRUPTED if stopped else 1
+    info = interrupted() if stopped else {} if isinstance(exc, SystemExit) else classify(exc)  # DCP's: BaseExceptions
     emit("exit", durable=True, code=code, step=step, error=type(exc).__name__,
          **{k: v for k, v in info.items() if k in ("class", "cause", "where")})
     if info:
-        ended(1, info, rank=rank, step=step)
+        ended(EXIT_INTERRUPTED if stopped else 1, info, rank=rank, step=step)
     elif isinstance(code, int) and code not in (0, 75):  # sys.exit(n) inside the session (75: a requeue)
         ended(code, outcome(USER_ERROR, f"sys.exit({code})"), rank=rank, step=step)
 
