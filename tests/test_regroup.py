@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from trainer.core.exits import SPARE_BASE
-from trainer.core.regroup import Presence, decide, join
+from trainer.core.regroup import Membership, Presence, decide, join
 from trainer.store import kill_stuck
 from trainer.store import start as start_store
 
@@ -84,6 +84,21 @@ def test_the_store_process_marks_a_rank_lost_when_its_presence_ends_without_done
     finally:
         store_proc.terminate()
         assert store_proc.wait(timeout=60) == 0
+
+
+def test_a_rank_that_ends_after_the_store_process_died_ends_as_it_would_have(tmp_path: Path) -> None:
+    """The store process is gone by the time a finished rank leaves (its node lost, or stopped first): leaving says
+    so in a note instead of raising, which turned a finished run's exit 0 into an error."""
+    store_proc, ports = start_store(tmp_path / "port", env=clean_env(), cwd=ROOT)
+    try:
+        member = Membership.__new__(Membership)
+        member.store = dist.TCPStore("127.0.0.1", ports[0], is_master=False,  # type: ignore[attr-defined]
+                                     timeout=timedelta(seconds=10))
+        member.presence = Presence("127.0.0.1", ports[1], 0)
+    finally:
+        store_proc.kill()
+        store_proc.wait(timeout=60)
+    member.close()
 
 
 def test_the_store_process_counts_the_processes_training_for_the_batch_script(tmp_path: Path) -> None:

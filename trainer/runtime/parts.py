@@ -23,6 +23,7 @@ from trainer.core.env import DistEnv, JobInfo
 from trainer.core.events import EventLog, read
 from trainer.core.regroup import Grow, Membership
 from trainer.core.schema import Config
+from trainer.runtime import compile_cache
 from trainer.runtime.growth import Growth
 from trainer.runtime.health.audit import Audit
 from trainer.runtime.health.heartbeat import Heartbeat
@@ -185,6 +186,7 @@ def joined_parts(s: Setup, run_dir: Path, model: nn.Module | None, objects: dict
     """Collective, on a warm spare that took a lost rank's place (``run_dir``: the survivors' run folder): its parts
     from ``step`` on, made as the survivors make theirs again (``regrouped_parts``; ``reloaded`` as there)."""
     env, cfg = s.env, s.cfg
+    compile_cache.keep_in(run_dir)  # before its first forward: what the others compiled, not compiled again
     run, events = RunDir(run_dir, env), EventLog(run_dir if env.is_main else None)
     heartbeat = _heartbeat(s, run)
     tracker = Tracker(cfg, env, s.job, run.path)
