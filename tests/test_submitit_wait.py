@@ -49,3 +49,21 @@ def test_results_written_before_the_job_left_the_queue_are_its_end(
     job.paths.result_pickle.parent.mkdir(parents=True, exist_ok=True)
     job.paths.result_pickle.write_bytes(pickle.dumps(("success", 7)))
     assert ended(job, poll_s=0.01, grace_s=0) is True and job.results() == [7]
+
+
+def test_an_attempts_error_is_no_end_while_slurm_still_lists_the_requeued_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank raised in attempt 0 and the verdict requeued the job: submitit's result file holds that error (it
+    never removes one) and says done, while Slurm runs attempt 1. The wait goes on until squeue no longer lists the
+    job; then attempt 1's result is the job's (the stand-in squeue writes it as the job leaves the queue)."""
+    calls, later = tmp_path / "squeue-calls", tmp_path / "attempt-1.pkl"
+    job: submitit.SlurmJob[int] = submitit.SlurmJob(folder=tmp_path / "logs", job_id="990001", tasks=(0,))
+    job.paths.result_pickle.parent.mkdir(parents=True, exist_ok=True)
+    job.paths.result_pickle.write_bytes(pickle.dumps(("error", "RuntimeError: attempt 0 failed")))
+    later.write_bytes(pickle.dumps(("success", 7)))
+    slurm(tmp_path, monkeypatch, listed=3)
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.write_text(squeue.read_text().replace(
+        "exit 0", f'[ "$n" -eq 2 ] && mv "{later}" "{job.paths.result_pickle}"\nexit 0'))
+    assert ended(job, poll_s=0.01, grace_s=0) is True
+    assert int(calls.read_text()) == 4 and job.results() == [7]

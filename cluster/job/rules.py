@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cluster.job.judge import DEADLINE, Verdict
 from trainer.core import exits
@@ -38,6 +39,17 @@ class RequeueRule:
 def history(run_dir: Path, job: str) -> list[AttemptEnd]:
     """The earlier verdicts of this job (a reused run folder holds other jobs' too)."""
     return attempt_ends(list(read(run_dir)), job)
+
+
+def restarts_counted(events: list[dict[str, Any]], job: str, restarts: int, trial: bool) -> int:
+    """The requeues of ``job`` its safety cap counts (``restarts``: Slurm's count). A job's: Slurm's, whatever its run
+    folder holds (the cap stops a requeue loop that the budgets' records miss, in a folder that forgot them too). A
+    sweep's trial's (``trial``): those since the trial's first attempt in this job, for a worker is one job that runs
+    trial after trial, each with budgets of its own, and Slurm's count grows across them. That first attempt is the
+    batch shell's first ``job_start`` in the trial's folder (on the sweep's shared disk); none there: Slurm's count."""
+    starts = [e["restart"] for e in events if e.get("event") == "job_start" and str(e.get("job_id")) == job
+              and isinstance(e.get("restart"), int)]
+    return restarts - min(starts) if trial and starts else restarts
 
 
 def repeated(v: Verdict, before: list[AttemptEnd]) -> AttemptEnd | None:

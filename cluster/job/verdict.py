@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cluster.job import nodes, placement, suspects
 from cluster.job.judge import Verdict, judge, srun_failures
-from cluster.job.rules import Limits, RequeueRule, decide, history, repeated
+from cluster.job.rules import Limits, RequeueRule, decide, history, repeated, restarts_counted
 from trainer.core import exits
 from trainer.core.errors import EXIT_REQUEUE
 from trainer.core.events import EVENTS, read
@@ -61,9 +61,11 @@ def _verdict(ns: argparse.Namespace) -> int:
                     ns.storm_after)
     events = list(read(run_dir))
     action, why = decide(v, before, limits, exits.regroups(events, job))
-    restarts = int(env.get("SLURM_RESTART_COUNT") or 0) - sum(e.deadline for e in before)
-    if action == "requeue" and not v.deadline and restarts >= ns.max_requeues + ns.max_failures:
-        action, why = "fail", f"{why}, but the job was requeued {env.get('SLURM_RESTART_COUNT')} times already"
+    # The safety cap behind the budgets; a sweep's trial (TRAINER_TRIAL, from the worker) counts its own requeues.
+    requeued = restarts_counted(events, job, int(env.get("SLURM_RESTART_COUNT") or 0), bool(env.get("TRAINER_TRIAL")))
+    counted = requeued - sum(e.deadline for e in before)  # saves for the time limit are no loop
+    if action == "requeue" and not v.deadline and counted >= ns.max_requeues + ns.max_failures:
+        action, why = "fail", f"{why}, but the job was requeued {requeued} times already"
     if v.blame and ((action == "requeue" and v.kind == exits.INFRASTRUCTURE) or v.kind == exits.FINISHED):
         suspects.add(limits.suspects, v.blame, limits.suspect_hours, job, v.cause, v.hard)  # finished: lost in place
     allocation = nodes.allocation(info, env)

@@ -100,6 +100,10 @@ class Submitit:
                             "use signal: USR2 and launch: srun with submitit, or LAUNCHER=sbatch")
         if p.signal_grace_s == 0:
             _no_grace()
+        if p.regroup:  # submitit's script has no store to start and keeps srun's --kill-on-bad-exit=1
+            raise UserError("profile.regroup", "true (going on without a restart) needs the sbatch launcher: "
+                            "submitit's batch script starts no store, and its srun ends every task when one is lost",
+                            "LAUNCHER=sbatch, or regroup: false")
 
     def script(self, s: Submission) -> str:
         print(f"# each task runs: {s.work.task_line(s.profile)}", file=sys.stderr)
@@ -140,8 +144,9 @@ def executor(p: Profile, work: Work) -> Any:
     inside = container_prefix(p)
     # slurm_max_num_timeout=0: submitit's own requeueing is off (the tasks replace its handler); the teardown
     # below applies the same requeue rule as an sbatch script, in the batch shell, outside any container.
+    # slurm_python goes into srun's line as it is (submitit quotes only its own default): one word, spaces and all.
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=0,
-                               slurm_python=f"{inside} python3" if inside else python_for(p))
+                               slurm_python=f"{inside} python3" if inside else shlex.quote(python_for(p)))
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(p.env.items())] + list(p.setup)
     setup += [f"export TRAINER_MTBF_HOURS={p.mtbf_hours:g}"] if p.mtbf_hours != 24 else []
     setup += flight_recorder(p, f"{dq(str(Path(p.log_dir).resolve()))}/$SLURM_JOB_ID")
@@ -216,9 +221,13 @@ def _submit_sbatch(s: Submission, wait: bool, avoid: list[str], record: Recorder
     log = Path(p.log_dir) / f"{p.job_name}-{job_id}.out"
     record(job_id, str(log))
     spare = f" + {p.spare_nodes} spare" if p.spare_nodes else ""
-    print(f"submitted job {job_id} (sbatch, {s.work.describe()}{p.nodes}{spare} node(s), profile {p.name})")
-    print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
-    rc = proc.wait()
+    try:  # the job is Slurm's now: Ctrl-C stops the waiting only
+        print(f"submitted job {job_id} (sbatch, {s.work.describe()}{p.nodes}{spare} node(s), profile {p.name})")
+        print(f"log:    {log}\nfollow: tail -f {shlex.quote(str(log))}    status: squeue -j {job_id}")
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()  # sbatch --wait only polls: ending it leaves the job as it is
+        return stopped_waiting(job_id)
     if wait:
         print(f"job {job_id} ended with exit code {rc}; the log's last lines:")
         print(tail(log), end="")
@@ -233,11 +242,17 @@ def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Record
         ex.update_parameters(slurm_exclude=",".join(avoid))
     job = ex.submit(s.work.task(p))
     record(str(job.job_id), str(Path(job.paths.stdout).parent))
-    print(f"submitted job {job.job_id} (submitit, {s.work.describe()}{p.nodes} node(s), profile {p.name})")
-    print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
-    print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
-    if not wait:
-        return 0
+    try:  # the job is Slurm's now: Ctrl-C stops the waiting only
+        print(f"submitted job {job.job_id} (submitit, {s.work.describe()}{p.nodes} node(s), profile {p.name})")
+        print(f"logs:   {job.paths.stdout} (rank 0), {job.paths.stderr}")
+        print(f"follow: tail -f {shlex.quote(str(job.paths.stdout))}    status: squeue -j {job.job_id}")
+        return _result(job, s.work) if wait else 0
+    except KeyboardInterrupt:
+        return stopped_waiting(str(job.job_id))
+
+
+def _result(job: Any, work: Work) -> int:
+    """``--wait``: the job's end, then its results (0), or why it failed with its logs' last lines (1)."""
     if not ended(job):
         return _failed(job, f"it ended without a result (Slurm no longer lists it; accounting says {job.state})")
     try:
@@ -245,24 +260,36 @@ def _submit_submitit(s: Submission, wait: bool, avoid: list[str], record: Record
     except Exception as exc:  # submitit re-raises the task's error with its log
         errors = [line for line in str(exc).splitlines() if "Error:" in line]  # the task's own error, not the trace
         return _failed(job, errors[-1].strip() if errors else str(exc))
-    for line in s.work.results(str(job.job_id), results):
+    for line in work.results(str(job.job_id), results):
         print(line)
     return 0
 
 
+def stopped_waiting(job_id: str) -> int:
+    """Ctrl-C while waiting for a job stops the waiting, not the job: one line instead of a traceback, and 130 (the
+    shell's code for an interrupted command)."""
+    print(f"\nstopped waiting; job {job_id} runs on: python -m cluster status {job_id}", file=sys.stderr, flush=True)
+    return 130
+
+
 def ended(job: Any, poll_s: float = 2.0, grace_s: float = 15.0) -> bool:
-    """Wait until submitit's ``job`` is over: True once its results are in or submitit's sacct watch says it ended;
-    False once squeue has not listed it for ``grace_s`` and it left no results. A job cancelled while its requeue
-    completed stays REQUEUED in accounting for good, so submitit's own wait (``results()``) would never return."""
+    """Wait until submitit's ``job`` is over: True once squeue no longer lists it and its results are in (or
+    submitit's sacct watch says it ended); False once squeue has not listed it for ``grace_s`` and it left no results.
+
+    Results count only once Slurm is done with the job: submitit never removes a task's result file, so an attempt in
+    which every rank raised leaves its error there while the verdict has Slurm run the next attempt. Nor does
+    accounting end it: a job cancelled while its requeue completed stays REQUEUED there for good, so submitit's own
+    wait (``results()``) would never return. While squeue does not answer, the wait goes on."""
     gone_since: float | None = None
-    while not job.done():
+    while True:
         now = time.monotonic()
-        if gone_since is None and job_state_now(str(job.job_id)) == "":  # squeue answered, and no longer lists it
-            gone_since = now
-        if gone_since is not None and now - gone_since >= grace_s:  # its results may reach a shared disk late
-            return False
+        if job_state_now(str(job.job_id)) == "":  # squeue answered, and no longer lists it
+            gone_since = now if gone_since is None else gone_since
+            if job.done():
+                return True
+            if now - gone_since >= grace_s:  # its results may reach a shared disk late
+                return False
         time.sleep(poll_s)
-    return True
 
 
 def _failed(job: Any, why: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,6 +84,19 @@ def show(record: Record, rank: int | None, attempt: str | None, follow: bool,
             lines = [line[m.end():] for line in lines if (m := LABEL.match(line)) and int(m.group(1)) == rank]
         print("\n".join(lines))
         return 0
+    try:
+        return _show_job(record, rank, attempt, follow, alive, poll_s)
+    except KeyboardInterrupt:
+        if not follow:
+            raise
+        # Ctrl-C ends the following, not the job: one line instead of a traceback, and the shell's 130.
+        print(f"\nstopped following; job {record.job_id} runs on", file=sys.stderr, flush=True)
+        return 130
+
+
+def _show_job(record: Record, rank: int | None, attempt: str | None, follow: bool, alive: Callable[[], bool],
+              poll_s: float) -> int:
+    """A job's chosen lines (its log files, see :func:`files`), then with ``follow`` its new ones (:func:`show`)."""
     job = record.job_id
     paths = files(record, rank)
     while follow and not any(p.exists() for p in paths) and alive():  # pending: no log yet

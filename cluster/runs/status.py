@@ -33,6 +33,9 @@ from trainer.runtime.records.attempts import audit_lines, describe_recovery, rec
 
 def resolve(ref: str) -> Record:
     """The ledger's record of ``ref``; a clear error for an unknown run or someone else's job."""
+    if not ref.strip():  # `make status` without RUN= passes '': as a path, the folder it runs in
+        raise UserError("RUN", "no run given", "RUN=<folder, job id or name>, e.g. RUN=runs/1234 (python -m cluster "
+                        "runs lists the recorded runs)")
     records = ledger.records()
     path = Path(ref).expanduser()
     if path.exists():

@@ -97,6 +97,10 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
         if mine.get("trial") is not None:
             trial = trials.frozen(mine["trial"])
             if trial.state.name == "RUNNING":
+                # A RESUME's array runs it now: its attributes name this task, or fail_lost would take it for lost.
+                for k, v in _owner(worker).items():
+                    if trial.user_attrs.get(k) != v:
+                        trials.set_attr(trial.number, k, v)
                 _write_assignment(sweep_dir, worker, mine, trials.live(mine["trial"]), spec, record)
                 _record(sweep_dir, worker, record, trial.number, trial.params)  # a RESUME's array holds it now
                 print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
@@ -114,14 +118,17 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
         if not waiting and len(counted) >= record.target:
             return EXIT_DONE
         trial = study.ask(studies.space(spec))
-        for k, v in {"worker": worker, "array": os.environ.get("SLURM_ARRAY_JOB_ID", ""),
-                     "job": os.environ.get("SLURM_JOB_ID", ""), "run_dir": str(sweep_dir / "trials" / str(trial.number))
-                     }.items():
+        for k, v in {**_owner(worker), "run_dir": str(sweep_dir / "trials" / str(trial.number))}.items():
             trial.set_user_attr(k, v)
         _write_assignment(sweep_dir, worker, mine, trial, spec, record)
     _record(sweep_dir, worker, record, trial.number, trial.params)
     print(f"worker {worker}: trial {trial.number} {_values(trial.params)}", file=sys.stderr)
     return 0
+
+
+def _owner(worker: int) -> dict[str, Any]:
+    """The trial attributes that name the array task running it (fail_lost asks Slurm whether that task lives)."""
+    return {"worker": worker, "array": os.environ.get("SLURM_ARRAY_JOB_ID", ""), "job": os.environ.get("SLURM_JOB_ID", "")}
 
 
 def _record(sweep_dir: Path, worker: int, record: SweepFile, number: int, params: dict[str, Any]) -> None:
