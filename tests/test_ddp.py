@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from .conftest import AUDIT, SMALL, clean_env, faults, go, held, ok, outputs, result_of, run_trainer
@@ -77,8 +78,9 @@ def test_uneven_test_shards_with_buffers_do_not_hang(tmp_path: Path) -> None:
 
 
 def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> None:
-    """Another process listens on MASTER_PORT (a second job on the node): rank 0 cannot serve the rendezvous, the
-    others reach a stranger. Each says MASTER_PORT with a HINT and exits 2; none ends in a traceback."""
+    """Another process listens on MASTER_PORT (a second job on the node): rank 0 cannot serve the rendezvous and
+    says MASTER_PORT with a HINT (exit 2: the first cause); the others reach a stranger, and once their wait is over
+    end as an echo (exit 1) of rank 0's failure. None ends in a traceback."""
     import socket
 
     from .conftest import free_port, spawn_ranks
@@ -98,9 +100,32 @@ def test_a_master_port_in_use_is_a_clear_error_on_every_rank(tmp_path: Path) -> 
     finally:
         stranger.close()  # as when the other job ends (or srun kills this one's tasks after rank 0's exit)
     out1 = ranks[1].communicate(timeout=120)[0]
-    assert ranks[1].returncode == 2, out1
-    assert "error: MASTER_PORT: rank 1:" in out1 and "HINT:" in out1 and "Traceback" not in out0 + out1
+    assert ranks[1].returncode == 1, out1
+    assert f"rank 1: the rendezvous at 127.0.0.1:{port} did not answer in 6 s" in out1 and "Traceback" not in out0 + out1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_a_rank_that_never_reaches_the_rendezvous_is_no_bad_input(tmp_path: Path, alone: int) -> None:
+    """One rank of two starts (the other's node hangs before it): the one that came waits dist.timeout_s and ends
+    as an echo of the missing rank (infrastructure: the job is retried), not "MASTER_PORT" bad input (exit 2, as if
+    the port were taken, and the job failed for good)."""
+    from trainer.core.records import exit_records
+
+    from .conftest import free_port, warm
+
+    run = tmp_path / "run"
+    rank_env = {"RANK": str(alone), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RUN_DIR": str(run)}
+    proc = warm.Popen([sys.executable, "-m", "trainer", *SMALL, f"run.dir={run}", "dist.timeout_s=5"], cwd=tmp_path,
+                      env=clean_env(rank_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, out
+    said = "not every rank of 2 reached the rendezvous" if alone == 0 else "the rendezvous at 127.0.0.1:"
+    assert f"rank {alone}: {said}" in out and "MASTER_PORT" not in out, out
+    (record,) = exit_records(next((run / "exits").iterdir()))
+    assert (record.kind, record.echo) == ("infrastructure", True), record
 
 
 def test_the_same_master_port_right_after_another_run_is_no_error(tmp_path: Path) -> None:

@@ -111,6 +111,8 @@ def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress |
                                     spare)
             exits.went_on_without(membership.replaced())  # a spare's end record names the ranks it replaced
         except (RuntimeError, OSError) as exc:
+            if _timed_out(exc):  # the store answered; a peer never came (or the store host never did)
+                raise _not_all_came(env, f"the job's store at {store.host}:{store.port}", timeout, True) from None
             raise UserError("TRAINER_STORE", f"rank {env.rank}: the job's store at {store.host}:{store.port} did "
                             f"not answer: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}",
                             "start python -m trainer.store first (the batch script does), or unset TRAINER_STORE") \
@@ -180,12 +182,38 @@ def _join(env: DistEnv, backend: str, timeout: timedelta, device: torch.device) 
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError: refused, reset, timed out
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if _timed_out(exc):  # the port was fine: a peer (rank 0 included) never arrived
+            raise _not_all_came(env, f"{env.master_addr}:{env.master_port}", timeout,
+                                env.rank == 0 and not env.agent) from None
         if "NCCL" in first:  # the rendezvous worked (NCCL starts after it): the GPUs are the cause, not the port
             raise UserError("dist.backend", f"rank {env.rank}: NCCL could not start on {device}: {first}",
                             "two processes on one GPU is the usual cause ('invalid usage'): give each task its own "
                             "GPU (Slurm: --gpus-per-task=1; torchrun: --nproc-per-node ≤ GPUs), `make doctor` names "
                             "the ranks that share one; NCCL_DEBUG=WARN says more") from None
         raise _port_error(env, first) from None
+
+
+class RendezvousTimeout(RuntimeError):
+    """Not every rank reached the rendezvous in ``dist.timeout_s``: a peer that never started or hung before it (a
+    stuck mount, a GPU that hangs at start). An echo: the missing rank's own record (or its lack: it was killed)
+    names the node; never bad input, so the job is retried."""
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a rendezvous failed by waiting too long (torch: "Timed out after N seconds waiting for clients",
+    "The client socket has timed out after N ms while trying to connect"), not by a refused or taken port."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _not_all_came(env: DistEnv, where: str, timeout: timedelta, serves: bool) -> RendezvousTimeout:
+    """``serves``: this rank holds the rendezvous (rank 0's store), so the others never came; else it never answered."""
+    within = f"in {timeout.total_seconds():.0f} s (dist.timeout_s)"
+    if serves:
+        return RendezvousTimeout(f"rank {env.rank}: not every rank of {env.world_size} reached the rendezvous at "
+                                 f"{where} {within}: a rank that never started or hung before it")
+    return RendezvousTimeout(f"rank {env.rank}: the rendezvous at {where} did not answer {within}: its host never "
+                             "served it (rank 0's own error, if any, is the cause)")
 
 
 def _port_error(env: DistEnv, what: str) -> UserError:

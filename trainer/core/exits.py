@@ -256,7 +256,7 @@ def classify(exc: BaseException) -> dict[str, Any]:
                 "blame": []}  # retried, but no node blamed: the file system may be shared
     distributed = type(exc).__module__.startswith("torch.distributed") or type(exc).__name__.startswith("Dist") \
         or any(m in low for m in DISTRIBUTED)
-    if type(exc).__name__ == "RegroupFailed":  # the lost rank is the cause (its node, srun's line for it)
+    if type(exc).__name__ in ("RegroupFailed", "RendezvousTimeout"):  # the lost or missing rank is the cause
         return {"class": INFRASTRUCTURE, "cause": first, "echo": True}
     if type(exc).__name__ == "MainFailed":  # rank 0's failure (a full disk), seen from another rank: rank 0 has it
         return {"class": getattr(exc, "kind", USER_ERROR), "cause": first, "echo": True}
