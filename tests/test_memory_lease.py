@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -159,3 +160,83 @@ def test_a_sweep_that_lost_a_race_to_another_leaves_the_folder_made_again_alone(
     monkeypatch.setattr(lease.fcntl, "flock", flock)
     assert lease.sweep(root, nobody, now=later) == (0, 0)  # B
     assert raced and folder.is_dir() and (folder / lease.LEASE).is_file()
+
+
+def planted(tmp_path: Path) -> tuple[Path, Path]:
+    """A user's own folders (``home``: what a job's snapshot folders look like, old, without a lease), and the node's
+    snapshot root that another user made first in the shared /dev/shm: a symlink to that home."""
+    home = tmp_path / "home"
+    aged(snapshot(home / "1-a.0" / "n1"), 1_000_000.0)
+    root = tmp_path / "shm" / f"trainer-snapshots-{os.getuid()}"
+    root.parent.mkdir()
+    root.symlink_to(home)
+    return root, home
+
+
+def test_a_root_planted_as_a_symlink_is_refused_and_what_it_points_to_left_alone(tmp_path: Path) -> None:
+    root, home = planted(tmp_path)
+    with pytest.raises(PermissionError, match=r"is a symlink, not a folder: not used\. HINT: remove it"):
+        lease.sweep(root, root / "2-b.0" / "n1", now=time.time() + 10 * lease.GRACE_S)
+    with pytest.raises(lease.UnsafeRoot, match="is a symlink"):
+        lease.safe_root(root)
+    assert (home / "1-a.0" / "n1" / "step_00000003.pt").is_file() and os.listdir(home) == ["1-a.0"]
+
+
+@pytest.mark.parametrize("how", ["writable by others", "another user's"])
+def test_a_root_another_user_could_have_filled_is_refused(tmp_path: Path, how: str) -> None:
+    root = tmp_path / f"trainer-snapshots-{os.getuid()}"
+    old = aged(snapshot(root / "1-a.0" / "n1"), 1_000_000.0)
+    if how == "writable by others":
+        root.chmod(0o1777)
+    elif os.getuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    else:
+        os.chown(root, 4242, 4242)
+    said = "may be written by others" if how == "writable by others" else "belongs to uid 4242"
+    with pytest.raises(PermissionError, match=said):
+        lease.sweep(root, root / "2-b.0" / "n1", now=time.time() + 10 * lease.GRACE_S)
+    with pytest.raises(lease.UnsafeRoot, match=said):
+        lease.safe_root(root)
+    assert old.is_dir()
+
+
+def test_the_root_is_made_for_its_user_alone_and_an_older_releases_root_narrowed(tmp_path: Path) -> None:
+    root = tmp_path / "shm" / f"trainer-snapshots-{os.getuid()}"
+    lease.safe_root(root)
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o700 and root.lstat().st_uid == os.getuid()
+    root.chmod(0o755)  # as the umask made it before: readable by everyone, written by none
+    lease.safe_root(root)
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o700
+
+
+def test_the_sweep_follows_no_symlink_below_the_root(tmp_path: Path) -> None:
+    _, home = planted(tmp_path)
+    root = tmp_path / "own"
+    root.mkdir(mode=0o700)
+    (root / "3-c.0").mkdir()
+    (root / "3-c.0" / "n1").symlink_to(home / "1-a.0" / "n1")
+    (root / "1-a.0").symlink_to(home / "1-a.0")
+    (root / f"{lease.SWEPT}1-1").symlink_to(home)  # as if a sweep had renamed it there
+    assert lease.sweep(root, root / "x" / "y", now=time.time() + 10 * lease.GRACE_S) == (0, 0)
+    assert (home / "1-a.0" / "n1" / "step_00000003.pt").is_file()
+
+
+@pytest.mark.parametrize("how", ["a symlink", "another user's folder"])
+def test_a_run_on_a_node_whose_root_another_user_made_trains_without_snapshots(tmp_path: Path, how: str) -> None:
+    """Nothing is written, read or removed under a root that is not the user's alone: one warning, and training and
+    durable checkpoints go on."""
+    root, _ = planted(tmp_path)
+    if how == "another user's folder":
+        if os.getuid() != 0:
+            pytest.skip("only root can give a folder to another user")
+        root.unlink()
+        root.mkdir()
+        root.chmod(0o777)
+        os.chown(root, 4242, 4242)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "run" not in p.parts)
+    args = [*SMALL, "train.epochs=1", "checkpoint.memory=on", "checkpoint.memory_every_steps=3",
+            f"run.dir={tmp_path / 'run'}"]
+    proc = ok(run_trainer(args, tmp_path, env={"TRAINER_MEMORY_DIR": str(root.parent)}))
+    assert "warning: memory snapshots stop (UnsafeRoot: snapshot root" in proc.stdout, proc.stdout
+    assert (tmp_path / "run" / "result.json").is_file()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "run" not in p.parts) == before

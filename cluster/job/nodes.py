@@ -238,6 +238,8 @@ def clean_memory(job: str, hosts: list[str]) -> None:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["srun", "--overlap", f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
                         "--ntasks-per-node=1", "--kill-on-bad-exit=0", "bash", "-c",
-                        'rm -rf "$1/trainer-snapshots-$2/$3"-*/"$SLURMD_NODENAME"', "clean", root, str(os.getuid()),
+                        # Only a root that is this user's own folder: one planted as a symlink leads elsewhere.
+                        'r="$1/trainer-snapshots-$2"; [ -d "$r" ] && [ ! -L "$r" ] && [ -O "$r" ] && '
+                        'rm -rf "$r/$3"-*/"$SLURMD_NODENAME"', "clean", root, str(os.getuid()),
                         job],
                        capture_output=True, timeout=20)

@@ -7,6 +7,11 @@ lives, and renews the file's time every ``RENEW_S``. The kernel drops the lock w
 holds and nobody has renewed for ``GRACE_S`` belongs to a dead job: the next run on the node that takes snapshots
 removes it (``sweep``). The grace spares an attempt's folder between its ranks' death and the next attempt's start in
 the same allocation. Nothing here asks Slurm, so it works the same inside a container and without Slurm.
+
+The root that holds every job's folders (``/dev/shm/trainer-snapshots-<uid>``) sits in a folder anyone may write: another
+user can make that name first, as a symlink to this user's home or as a folder of theirs. So the root is made with mode
+0o700 and used only while it is a real folder of this user that no one else may write (``safe_root``); the sweep
+refuses any other root, and never follows a symlink below it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -28,9 +34,60 @@ SWEPT = ".swept-"
 """A folder being removed is first renamed to this prefix (atomic), so a sweep killed half-way leaves no half folder
 that looks whole."""
 
+_HINT = "remove it, or set TRAINER_MEMORY_DIR to a folder of your own"
+
 _held: dict[Path, int] = {}
 _lock = threading.Lock()
 _renewer: threading.Thread | None = None
+
+
+class UnsafeRoot(PermissionError):
+    """A snapshot root that is not this user's alone: nothing is written, read or removed under it."""
+
+
+def safe_root(root: Path) -> None:
+    """Make ``root`` (mode 0o700) if missing, then check it is a real folder of this user that no one else may write;
+    else raise UnsafeRoot naming it (an OSError: a caller that cannot snapshot goes on without snapshots). A root an
+    earlier release made with the umask's mode (readable by others, never writable) is narrowed to 0o700."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    _check(root)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)  # swapped since the check: ELOOP
+    try:
+        st = os.fstat(fd)
+        _refuse(root, st)
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # snapshots hold the model and optimizer state: no one else reads them
+    finally:
+        os.close(fd)
+
+
+def _check(root: Path) -> bool:
+    """Whether ``root`` exists; raise UnsafeRoot when it is a symlink, not a folder, another user's, or writable by
+    others."""
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return False
+    _refuse(root, st)
+    return True
+
+
+def _refuse(root: Path, st: os.stat_result) -> None:
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symlink, not a folder"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a folder"
+    elif st.st_uid != uid:
+        why = f"belongs to uid {st.st_uid}, not to uid {uid}"
+    elif st.st_mode & 0o022:
+        why = f"may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    else:
+        return
+    # Short: the session's warning keeps 200 characters of it.
+    raise UnsafeRoot(f"snapshot root {root} {why}: not used. HINT: {_HINT}")
 
 
 def hold(folder: Path) -> None:
@@ -99,16 +156,19 @@ def _renew_forever() -> None:
 
 def sweep(root: Path, keep: Path, now: float | None = None, grace_s: float = GRACE_S) -> tuple[int, int]:
     """Remove the folders ``root/<job>/<node>`` that no process holds and nobody has renewed for ``grace_s``
-    (``keep`` and the folders of live processes are never touched); returns (folders removed, bytes freed)."""
+    (``keep`` and the folders of live processes are never touched); returns (folders removed, bytes freed). A root
+    that is not this user's alone raises UnsafeRoot, and nothing below it is touched."""
     now = time.time() if now is None else now
     keep = keep.absolute()
     removed = freed = 0
+    if not _check(root):
+        return removed, freed
     with contextlib.suppress(OSError):
         for job in list(root.iterdir()):
+            if job.is_symlink() or not job.is_dir():  # only our own folders: a symlink's target is someone's data
+                continue
             if job.name.startswith(SWEPT):
                 freed += _delete(job)
-                continue
-            if not job.is_dir() or job.is_symlink():
                 continue
             emptied = False
             for node in list(job.iterdir()):
@@ -127,7 +187,7 @@ def _remove_if_dead(folder: Path, root: Path, now: float, grace_s: float) -> int
     ``grace_s`` ago; the bytes freed, or None when it stays. The lease stays locked until the folder is renamed away,
     so a process that starts to use it meanwhile waits, then sees the folder gone and makes a new one."""
     try:
-        fd = os.open(folder / LEASE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(folder / LEASE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # made before leases, or whose maker has not opened its lease yet: its age decides
         moved = _move(folder, root) if _idle(folder, now, grace_s) else None
         return None if moved is None else _delete(moved)
@@ -151,7 +211,7 @@ def _remove_if_dead(folder: Path, root: Path, now: float, grace_s: float) -> int
 def _idle(folder: Path, now: float, grace_s: float) -> bool:
     """Whether ``folder`` and what it holds have not changed for ``grace_s``."""
     try:
-        newest = max([folder.stat().st_mtime, *(p.stat().st_mtime for p in folder.iterdir())])
+        newest = max([folder.lstat().st_mtime, *(p.lstat().st_mtime for p in folder.iterdir())])
     except OSError:
         return False
     return now - newest > grace_s

@@ -77,11 +77,23 @@ class MemorySnapshots:
         self._staging = Staging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._unsafe: OSError | None = None
+        """Why nothing may be written, read or removed under the node's snapshot root (another user's, or none can
+        be made there): every snapshot fails with it, a warning, and training goes on."""
+        try:
+            lease.safe_root(folder.parents[1])
+        except OSError as exc:
+            self._unsafe = exc
+            return
         with contextlib.suppress(OSError):  # a folder that cannot be made: the first snapshot says so
             lease.hold(folder)
             if self.lead and folder.parents[1] not in _swept:
                 _swept.add(folder.parents[1])
                 lease.sweep(folder.parents[1], folder)
+
+    def _refuse(self) -> None:
+        if self._unsafe is not None:
+            raise self._unsafe
 
     # ---- taking ------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], sharded: dict[str, Any], step: int) -> None:
@@ -92,6 +104,7 @@ class MemorySnapshots:
         if self.sharded:
             self._save_sharded(state, sharded, step)
         elif self.lead:
+            self._refuse()  # after the collective above: no rank is left waiting in it
             staged = self._staging.stage(state)
             self._thread = threading.Thread(target=self._write, args=(staged, step), name="trainer-snapshot")
             self._thread.start()
@@ -115,6 +128,7 @@ class MemorySnapshots:
         rank0, meta = self.env.rank == 0, [b""]
 
         def fresh() -> None:
+            self._refuse()  # every rank: every rank writes its shards there
             if self.lead:
                 for stale in self.folder.glob(f".{PREFIX}*.tmp"):
                     shutil.rmtree(stale, ignore_errors=True)
@@ -180,6 +194,8 @@ class MemorySnapshots:
     def clear(self) -> None:
         """Remove this node's snapshots of the run (its end: they never outlive it)."""
         self.wait()
+        if self._unsafe is not None:  # nothing of ours there: touch nothing under another user's root
+            return
         lease.release(self.folder)
         if self.lead:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -189,7 +205,9 @@ class MemorySnapshots:
     # ---- restoring ---------------------------------------------------------------------------
     def holdings(self) -> dict[int, dict[str, Any]]:
         """This node's committed snapshots: step → manifest (only files that are still there and whole)."""
-        out = {}
+        out: dict[int, dict[str, Any]] = {}
+        if self._unsafe is not None:
+            return out
         for manifest in self.folder.glob(f"{PREFIX}*.json"):
             try:
                 meta = json.loads(manifest.read_text())
