@@ -16,7 +16,7 @@ from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.data.samplers import ResumableSampler, ShardSampler
 
-from .conftest import ROOT, ok, spawn_ranks, wait_ranks
+from .conftest import ROOT, SMALL, ok, run_trainer, spawn_ranks, wait_ranks
 
 
 def env_of(rank: int, world: int) -> DistEnv:
@@ -135,3 +135,28 @@ def test_the_fork_hang_is_named_only_on_the_interpreters_that_have_it(version: t
     from trainer.data.workers import python_note
 
     assert ("gh-112275" in python_note(version)) is affected
+
+
+EMPTY = '''
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(keep: str = "nothing"):
+    """A filter that kept no sample of the training set (the evaluation set is whole)."""
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))  # the shape an empty set gets its model for
+    train = TensorDataset(x[:0], y[:0]) if keep == "nothing" else TensorDataset(x, y)
+    return train, TensorDataset(x, y)
+'''
+
+
+@pytest.mark.parametrize("batch", ["data.batch_size=8", "data.global_batch_size=16"])
+def test_a_training_set_without_a_sample_fails_before_the_run_instead_of_finishing_at_once(
+        tmp_path: Path, batch: str) -> None:
+    """A wrong path or a filter that keeps nothing: zero steps an epoch would be a run that "finishes" (exit 0) having
+    trained nothing."""
+    (tmp_path / "emptydata.py").write_text(EMPTY)
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*SMALL, "data.target=emptydata:build", batch, f"run.dir={run}"], tmp_path), code=2)
+    assert "error: data: the training set holds no sample" in proc.stderr and "HINT: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (run / "result.json").exists()

@@ -38,20 +38,29 @@ def latest(folder: Path) -> Path | None:
 
 def publish(folder: Path, final: Path, step: int, keep: int, **manifest: Any) -> None:
     """Commit ``final``: its manifest (the commit point, fsynced with the folder), the ``latest`` pointer, then prune
-    to the newest ``keep``."""
+    to the newest ``keep`` up to ``final``."""
     write_json(final.with_suffix(".json"), {**manifest, "global_step": step, "time": time.time(),
                                             "version": FORMAT_VERSION})
     # A pointer for people and tools; resuming trusts the manifests, so it needs no fsync of its own.
     pointer = folder / ".latest.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, folder / "latest")
-    prune(folder, keep)
+    prune(folder, keep, final)
 
 
-def prune(folder: Path, keep: int) -> None:
+def prune(folder: Path, keep: int, published: Path | None = None) -> None:
     """Remove committed checkpoints beyond the newest ``keep`` (the manifest first: a half-pruned one never counts),
-    and single files older than every committed one that never got a manifest (saves killed half-way)."""
-    for manifest in committed(folder)[keep:]:
+    and single files older than every committed one that never got a manifest (saves killed half-way).
+
+    ``published``: the checkpoint just committed, which the run continues from: it ranks first and stays. Steps past
+    it are left alone: the run went back to an older checkpoint (the newer ones failed verification, or were never
+    loaded), so ranking them first would delete each new save as it is made; the run's own saves replace them as it
+    reaches their steps again."""
+    ranked = committed(folder)
+    if published is not None:
+        mine = published.with_suffix(".json")
+        ranked = [mine, *(m for m in ranked if m.name < mine.name)]  # zero-padded steps: names sort as steps
+    for manifest in ranked[max(keep, 1 if published else 0):]:
         manifest.unlink(missing_ok=True)
         step_dir = manifest.with_suffix("")
         if step_dir.is_dir():

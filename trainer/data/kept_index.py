@@ -9,9 +9,13 @@ reading one runs no code. Readers whose index holds anything else are scanned at
 
 from __future__ import annotations
 
+import contextlib
 import json
+import lzma
 import os
 import socket
+import zipfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,11 @@ import xxhash
 from trainer.data.readers import Index, Reader, TarTable
 
 FOLDER = ".shard-index"
+UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, RuntimeError, NotImplementedError,
+              MemoryError, zipfile.BadZipFile, zlib.error, lzma.LZMAError)
+"""What reading a damaged index raises (a truncated copy, a node that died mid-write, a disk that filled): numpy's and
+zipfile's readers have no common error (an encrypted or unknown compression flag, a size that cannot be allocated);
+a description that does not fit its arrays. Such an index is scanned again."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -58,15 +67,25 @@ def load(folder: Path, path: Path, reader: Reader) -> Index | None:
         base = folder / _name(path, reader)
         meta = json.loads(base.with_suffix(base.suffix + ".json").read_text())
         arrays = dict(np.load(base.with_suffix(base.suffix + ".npz"), allow_pickle=False)) if meta["arrays"] else {}
-    except (OSError, ValueError, KeyError):
+        return _index(path, meta, arrays)
+    except UNREADABLE:
         return None
-    kind, starts = meta["starts"], None
+
+
+def _index(path: Path, meta: dict[str, Any], arrays: dict[str, Any]) -> Index:
+    """The index a description and its arrays make; a ValueError (or KeyError) when they do not fit together."""
+    kind, starts, count = meta["starts"], None, int(meta["count"])
     if kind == "tar":
         starts = TarTable(arrays["keys"], arrays["starts"], arrays["kinds"], arrays["offsets"], arrays["sizes"],
                           np.array(meta["exts"], dtype=object))
+        sizes = {len(starts.keys) + 1, len(starts.starts)}, {len(starts.kinds), len(starts.offsets), len(starts.sizes)}
+        if sizes[0] != {count + 1} or len(sizes[1]) != 1 or starts.exts.ndim != 1:
+            raise ValueError("the arrays do not fit the description")
     elif kind == "array":
         starts = arrays["starts"]
-    return Index(str(path), int(meta["count"]), _plain(meta["schema"]), starts)
+        if len(starts) != count:
+            raise ValueError("the arrays do not fit the description")
+    return Index(str(path), count, _plain(meta["schema"]), starts)
 
 
 def store(folder: Path, path: Path, reader: Reader, index: Index) -> None:
@@ -84,17 +103,20 @@ def store(folder: Path, path: Path, reader: Reader, index: Index) -> None:
     meta["arrays"] = bool(arrays)
     base = folder / _name(path, reader)
     tmp = f".{socket.gethostname()}.{os.getpid()}.tmp"  # ranks on other nodes may write the same index at once
+    npz, description = base.with_suffix(base.suffix + ".npz"), base.with_suffix(base.suffix + ".json")
     try:
         folder.mkdir(exist_ok=True)
         if arrays:
-            with open(base.with_suffix(base.suffix + ".npz" + tmp), "wb") as f:
+            with open(npz.with_name(npz.name + tmp), "wb") as f:
                 np.savez(f, **arrays)
-            os.replace(base.with_suffix(base.suffix + ".npz" + tmp), base.with_suffix(base.suffix + ".npz"))
+            os.replace(npz.with_name(npz.name + tmp), npz)
         # The .json last: an index counts once its description exists.
-        base.with_suffix(base.suffix + ".json" + tmp).write_text(json.dumps(meta))
-        os.replace(base.with_suffix(base.suffix + ".json" + tmp), base.with_suffix(base.suffix + ".json"))
+        description.with_name(description.name + tmp).write_text(json.dumps(meta))
+        os.replace(description.with_name(description.name + tmp), description)
     except (OSError, TypeError, ValueError):
-        return
+        for left in (npz, description):  # a full disk keeps no half-written copy (and the next start tries again)
+            with contextlib.suppress(OSError):
+                left.with_name(left.name + tmp).unlink(missing_ok=True)
 
 
 def index_all(shards: Sequence[tuple[Reader, Path]], folder: Path | None, rank: int, world: int) -> list[Index]:

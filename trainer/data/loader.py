@@ -70,6 +70,11 @@ class Loader:
             raise UserError("data.global_batch_size", "needs a map-style data set (__len__ and __getitem__): an "
                             "iterable set reads its own share on each process, so its samples per step would change "
                             "with their number", "leave it out (data.batch_size is per process), or index the set")
+        if not self.iterable and hasattr(dataset, "__len__") and len(dataset) == 0:
+            # Zero steps an epoch: the run would "finish" at once, exit 0, having trained on nothing.
+            raise UserError("data", f"the training set holds no sample ({type(dataset).__name__} of length 0)",
+                            "check where the set reads its files (data.root, data.kwargs) and any filter that picks "
+                            "its samples")
         self._build(plan)
         self.epoch = 0
         """Epochs finished; it moves on as the last batch of an epoch is handed out."""

@@ -11,6 +11,7 @@ import bisect
 import json
 import os
 import tarfile
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,8 +51,50 @@ class Reader(Protocol):
         ...
 
     def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
-        """Sample ``j`` of the shard (``cache`` holds this process's open files)."""
+        """Sample ``j`` of the shard (``cache``: this process's, for its open files; ``opened(cache)`` keeps the most
+        recent few)."""
         ...
+
+
+OPEN_SHARDS = 64
+"""Shards a process keeps open (a descriptor or a memory map each) for its next samples: the most recently read. A
+set may hold more files than a process may open (``ulimit -n``); each process reads shards mostly one after another."""
+
+
+class Opened:
+    """This process's most recently read shards, opened; the least recent is closed as another opens. A DataLoader
+    reads a map-style set from one thread per process, so a shard closed here is never one a read is using."""
+
+    def __init__(self, limit: int = OPEN_SHARDS) -> None:
+        self.limit = limit
+        self._open: OrderedDict[str, tuple[Any, Callable[[Any], None] | None]] = OrderedDict()
+
+    def get(self, path: str, open_: Callable[[str], Any], close: Callable[[Any], None] | None = None) -> Any:
+        """``path`` opened (``open_``, once while it stays among the recent); ``close`` ends it when it leaves them
+        (None: dropped, as a memory map is)."""
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path][0]
+        while len(self._open) >= self.limit:
+            _, (old, end) = self._open.popitem(last=False)
+            if end is not None:
+                end(old)
+        value = open_(path)
+        self._open[path] = (value, close)
+        return value
+
+    def __del__(self) -> None:  # a data set dropped (an evaluation's): its files with it
+        for value, end in self._open.values():
+            if end is not None:
+                end(value)
+
+
+def opened(cache: dict[str, Any]) -> Opened:
+    """The open shards kept in a reader's ``cache``."""
+    found = cache.get("opened")
+    if not isinstance(found, Opened):
+        found = cache["opened"] = Opened()
+    return found
 
 
 COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
@@ -242,10 +285,7 @@ class Jsonl:
 
 def _fd(cache: dict[str, Any], path: str) -> int:
     """This process's descriptor of ``path``, read with pread only (DataLoader workers may inherit it by fork)."""
-    fd = cache.get(path)
-    if fd is None:
-        fd = cache[path] = os.open(path, os.O_RDONLY)
-    return int(fd)
+    return int(opened(cache).get(path, lambda p: os.open(p, os.O_RDONLY), os.close))
 
 
 def _line_at(fd: int, offset: int, chunk: int = 4096) -> bytes:
@@ -307,8 +347,7 @@ class Arrow:
             raise _fail(str(path), "", exc) from None
 
     def read(self, index: Index, j: int, cache: dict[str, Any]) -> Any:
-        ds = cache.get(index.path) or cache.setdefault(index.path, _arrow(index.path))
-        return ds[j]
+        return opened(cache).get(index.path, _arrow)[j]
 
 
 def _arrow(path: str) -> Any:
@@ -341,9 +380,7 @@ class Tokens:
         import numpy as np
         import torch
 
-        data = cache.get(index.path)
-        if data is None:
-            data = cache.setdefault(index.path, np.memmap(index.path, dtype=self.dtype, mode="r"))
+        data = opened(cache).get(index.path, lambda p: np.memmap(p, dtype=self.dtype, mode="r"))
         return torch.from_numpy(data[j * self.block: (j + 1) * self.block + 1].astype(np.int64))
 
 
