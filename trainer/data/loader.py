@@ -6,13 +6,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset
 
 from trainer.core import hooks
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.data.batches import BatchPlan, plan
 from trainer.data.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
+from trainer.data.seeding import Seeded, Tagged
 from trainer.data.shards import Shards
 from trainer.data.workers import checked_iter, worker_init
 
@@ -89,21 +90,27 @@ class Loader:
     def _build(self, plan: BatchPlan | None) -> None:
         """The sampler and DataLoader for ``plan`` (None: ``cap`` samples per batch, no global batch)."""
         dataset, kwargs, cap, world = self.dataset, self.kwargs, self.cap, self.world_size
-        self.plan, self.batch_size = plan, plan.micro if plan else cap
+        self.plan, self.batch_size, self.drop_last = plan, plan.micro if plan else cap, False
         self.sampler: ResumableSampler | GlobalBatchSampler | StreamSampler | None = None
         self.loader: DataLoader[Any]
+        if self.iterable:
+            self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
+            return
         if isinstance(dataset, Shards):
             self.plan = plan or BatchPlan(cap * world, world, cap, 1)
             self.sampler = StreamSampler(dataset, self.plan, self.rank, self.seed)
-            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
-        elif self.iterable:
-            self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
+            batches: Any = self._batched(self.sampler, kwargs)
         elif plan is None:
             self.sampler = ResumableSampler(dataset, self.env, self.seed)
-            self.loader = DataLoader(dataset, batch_size=cap, sampler=self.sampler, **kwargs)
+            kwargs = dict(kwargs)
+            self.drop_last = bool(kwargs.pop("drop_last", False))
+            batches = BatchSampler(self.sampler, cap, drop_last=self.drop_last)
         else:
             self.sampler = GlobalBatchSampler(len(dataset), plan, self.rank, self.seed)  # type: ignore[arg-type]
-            self.loader = DataLoader(dataset, batch_sampler=self._batched(self.sampler, kwargs), **kwargs)
+            batches = self._batched(self.sampler, kwargs)
+        if kwargs.get("num_workers", 0) and not isinstance(dataset, InMemory):  # workers: draws by sample (seeding)
+            dataset, batches = Seeded(dataset, self.seed), Tagged(batches, self.sampler)
+        self.loader = DataLoader(dataset, batch_sampler=batches, **kwargs)
 
     def _batched(self, sampler: GlobalBatchSampler | StreamSampler, kwargs: dict[str, Any]) -> Any:
         for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
@@ -136,7 +143,7 @@ class Loader:
             return self.sampler.steps_per_epoch * self._micro_per_step
         if self.sampler is None:
             raise TypeError("an iterable data set has no length")
-        return -(-self.sampler.num_samples // self.batch_size) if not self.loader.drop_last else \
+        return -(-self.sampler.num_samples // self.batch_size) if not self.drop_last else \
             self.sampler.num_samples // self.batch_size
 
     @property

@@ -1,0 +1,63 @@
+"""Random augmentation in loader workers is the sample's, not the worker's (trainer/data/seeding.py): a loader resumed
+mid-epoch, or read by another number of workers or processes, hands out the very same augmented samples."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from trainer.core.env import DistEnv
+from trainer.data.loader import Loader, train_loader
+
+
+class Augmented(Dataset[Any]):
+    """Sample i plus a draw from each RNG a transform may use (torch's, ``random``'s, NumPy's)."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), torch.rand(()).item(), random.random(), float(np.random.rand())])
+
+
+def env(rank: int = 0, world: int = 1) -> DistEnv:
+    return DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 29500, None, "single")
+
+
+def batches(loader: Loader, n: int) -> list[torch.Tensor]:
+    stream = loader.forever()
+    return [next(stream) for _ in range(n)]
+
+
+def make(workers: int, global_batch: int | None = None, rank: int = 0, world: int = 1) -> Loader:
+    return train_loader(Augmented(), env(rank, world), 8, global_batch, 7, print, num_workers=workers)
+
+
+@pytest.mark.parametrize("global_batch", [None, 16])
+def test_a_loader_resumed_mid_epoch_draws_the_same_augmentation(global_batch: int | None) -> None:
+    """18 batches in one go (two epochs of 12, or of 6 with 16 a step) against 7, a resume from that state with
+    workers started afresh, then the rest: the same samples with the same random draws."""
+    whole = batches(make(2, global_batch), 18)
+    first = make(2, global_batch)
+    head = batches(first, 7)
+    state = first.state_dict()
+    again = make(2, global_batch)
+    again.load_state_dict(state)
+    rest = batches(again, 11)
+    assert all(torch.equal(a, b) for a, b in zip(whole, head + rest, strict=True))
+    assert len({round(float(b[0, 1]), 6) for b in whole}) > 1  # it does draw
+
+
+def test_the_draws_do_not_depend_on_the_number_of_workers_or_processes() -> None:
+    """A sample's draws are its own: read by 1 or 2 workers, or as either half of a global batch on 2 processes
+    (3 steps of 16: 6 micro-batches of 8 on one process, 3 of 8 on each of two)."""
+    one, two = batches(make(1, 16), 6), batches(make(2, 16), 6)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    alone = {float(row[0]): row for batch in one for row in batch}
+    split = {float(row[0]): row for rank in (0, 1) for batch in batches(make(2, 16, rank, 2), 3) for row in batch}
+    assert alone.keys() == split.keys() and all(torch.equal(alone[k], split[k]) for k in alone)
