@@ -47,6 +47,8 @@ def test_char_lm_learns_and_resumes_bit_identically_after_a_preemption_at_a_rand
     second = ok(run_trainer([*LM, f"run.dir={run}", "checkpoint.poll_steps=1"], tmp_path, nproc=2, script=CHAR_LM))
     assert f"resumed from {run / 'checkpoints' / f'step_{at + 1:08d}.pt'} at step {at + 1}" in second.stdout
     assert same(last_weights(run), last_weights(ref)), f"preempted after step {at + 1}: weights differ"
+    ok(run_trainer([*LM, f"run.dir={run}"], tmp_path, nproc=2, script=CHAR_LM))  # resumed at its end: no step
+    assert result_of(run)["test_loss"] == result_of(ref)["test_loss"]  # measured, not NaN
 
 
 def test_char_lm_on_four_processes_resumes_bit_identically(tmp_path: Path) -> None:

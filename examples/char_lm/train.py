@@ -132,6 +132,8 @@ def train(sess: trainer.Session, args: argparse.Namespace, model: torch.nn.Modul
             sess.save(step)
             if sess.preempted:
                 break
+    if start >= args.max_steps:  # resumed at the end: no step ran, so measure it once (result.json gets a number)
+        val_loss = evaluate(sess, model, val, amp)
     return val_loss
 
 
