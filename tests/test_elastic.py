@@ -109,6 +109,30 @@ def test_a_kept_global_batch_continues_exactly_on_another_size_and_says_no_other
     assert not fixed.exact_after(state)
 
 
+def test_a_kept_global_batch_that_a_smaller_size_cannot_split_becomes_the_nearest_that_it_can() -> None:
+    """Kept at 4 × 4 = 16 and resumed (or regrouped) on 3 processes, which cannot share 16: 15 from there on, said
+    once, and not counted as exact; the job goes on instead of failing as bad input at its second loss."""
+    data = torch.utils.data.TensorDataset(torch.arange(200))
+    four = [train_loader(data, env_of(r, 4), 4, None, 3, print, resizable=True) for r in range(4)]
+    for loader in four:
+        it = iter(loader)
+        next(it), next(it)
+    state = four[0].state_dict()
+    said: list[str] = []
+    three = [train_loader(data, env_of(r, 3), 4, None, 3, said.append, resizable=True) for r in range(3)]
+    for loader in three:
+        assert not loader.exact_after(state)
+        loader.load_state_dict(state)
+        assert loader.plan is not None and loader.plan.global_batch == 15
+    assert said.count("note: the first attempt's global batch of 16 does not split equally across 3 processes: 15 "
+                      "samples per step from here on (data.global_batch_size sets one that every size divides)") == 3
+    taken = [int(i) for loader in three for (b,) in [next(iter(loader))] for i in b]
+    seen = set(three[0].sampler.order(0)[:32])  # type: ignore[union-attr]  # the 2 steps of 16 trained before
+    assert len(taken) == 3 * three[0].batch_size and not set(taken) & seen
+    with pytest.raises(UserError, match="16 samples per step do not split equally across 3"):  # the user's own
+        train_loader(data, env_of(0, 3), 4, 16, 3, print)
+
+
 def _trace(run: Path) -> list[dict[str, object]]:
     """Each step's sample ids (the ledger's other fields say who trained them)."""
     return [{k: e[k] for k in ("step", "ids")} for e in map(json.loads, (run / "trace.jsonl").read_text().splitlines())]

@@ -212,7 +212,7 @@ class Trainer:
                 break
             except RuntimeError as exc:  # a lost peer: the survivors go on in place (TRAINER_STORE), else raised
                 start = sess.regroup(exc)
-                self.accumulation = self.loader.accumulation  # the global batch's split on the new world size
+                self._plan_steps()  # the global batch's split on the new world size, and the steps left in it
         train_time = time.perf_counter() - started - self.eval_time
         if bar is not None:
             bar.close()

@@ -50,6 +50,18 @@ def plan(global_batch: int, world_size: int, max_micro: int, field: str = "data.
     return BatchPlan(global_batch, world_size, share // accumulation, accumulation)
 
 
+def kept_plan(global_batch: int, world_size: int, max_micro: int) -> tuple[BatchPlan, str]:
+    """The plan of a global batch the job kept from its first attempt (the user set none) on ``world_size``
+    processes; where they cannot share it equally, the nearest global batch below that they can, and a note saying
+    so (empty otherwise): a node lost from 4 to 3 continues with 126 samples a step rather than failing on 128."""
+    if global_batch % world_size == 0:
+        return plan(global_batch, world_size, max_micro, "the checkpoint's global batch"), ""
+    near = max(global_batch // world_size, 1) * world_size
+    return plan(near, world_size, max_micro), (
+        f"note: the first attempt's global batch of {global_batch} does not split equally across {world_size} "
+        f"processes: {near} samples per step from here on (data.global_batch_size sets one that every size divides)")
+
+
 def check_worlds(global_batch: int, worlds: list[int], max_micro: int, field: str = "data.global_batch_size") -> None:
     """Every world size in ``worlds`` can share ``global_batch`` (a node range, checked at submit time)."""
     for world in worlds:

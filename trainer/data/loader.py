@@ -11,7 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from trainer.core import hooks
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
-from trainer.data.batches import BatchPlan, plan
+from trainer.data.batches import BatchPlan, kept_plan, plan
 from trainer.data.samplers import GlobalBatchSampler, ResumableSampler, ShardSampler, StreamSampler
 from trainer.data.seeding import Seeded, Tagged
 from trainer.data.shards import Shards
@@ -61,7 +61,7 @@ class Loader:
                  **kwargs: Any) -> None:
         self.env, self.world_size, self.rank, self.seed, self.kwargs = env, env.world_size, env.rank, seed, kwargs
         self.dataset, self.cap, self.own_accumulation = dataset, batch_size, accumulation
-        self.kept, self.say = kept, say
+        self.kept, self.say, self.tell = kept, say, say
         """``kept``: the global batch is the first attempt's, not the user's: a checkpoint's replaces it (a job that
         may change size); said once, as the first batch is taken."""
         self.fixed = plan is not None
@@ -203,7 +203,7 @@ class Loader:
         """Go on as ``env``'s rank from ``state`` (a ``state_dict`` taken at a step's start): the same global batches
         on the new number of processes, as a resume from a checkpoint would. A running ``forever()`` follows."""
         self.env, self.world_size, self.rank = env, env.world_size, env.rank
-        self._build(plan(self.plan.global_batch, env.world_size, self.cap) if self.fixed and self.plan else None)
+        self._build(self._planned(self.plan.global_batch) if self.fixed and self.plan else None)
         self.load_state_dict(state)
         self.resets += 1
 
@@ -219,7 +219,7 @@ class Loader:
         a step's end), else after the samples already seen, at the start of the next whole step."""
         saved = state.get("global_batch_size", 0)
         if self.kept and saved and self.plan and saved != self.plan.global_batch:  # the first attempt's global batch
-            self._build(plan(saved, self.world_size, self.cap, "the checkpoint's global batch"))
+            self._build(self._planned(saved))
         self.epoch, self.position = state["epoch"], state["position"]
         consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
         split = (state["world_size"], state["batch_size"], state.get("global_batch_size", 0))
@@ -234,11 +234,22 @@ class Loader:
         if self.sampler is not None and self.position >= len(self):  # another batch: the epoch is already over
             self._next_epoch()
 
+    def _planned(self, global_batch: int) -> BatchPlan:
+        """``global_batch``'s plan on this world size: the user's must split (else bad input); a kept one that cannot
+        becomes the nearest that can, said once."""
+        if not self.kept:
+            return plan(global_batch, self.world_size, self.cap)
+        made, note = kept_plan(global_batch, self.world_size, self.cap)
+        if note and self.tell is not None:
+            self.tell(note)
+        return made
+
     def exact_after(self, state: dict[str, int]) -> bool:
         """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved
         at the end of a step: ``should_save`` comes after the optimizer step)."""
         saved = state.get("global_batch_size")
-        return self.plan is not None and (saved == self.plan.global_batch or bool(self.kept and saved))  # kept: adopted
+        adopted = bool(self.kept and saved and saved % self.world_size == 0)  # kept: load_state_dict takes it
+        return self.plan is not None and (saved == self.plan.global_batch or adopted)
 
 
 def train_loader(dataset: Dataset[Any], env: DistEnv, batch_size: int, global_batch_size: int | None, seed: int,
