@@ -4,6 +4,7 @@ mid-epoch, or read by another number of workers or processes, hands out the very
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,8 @@ from torch.utils.data import Dataset
 
 from trainer.core.env import DistEnv
 from trainer.data.loader import Loader, train_loader
+
+from .conftest import SMALL, faults, ok, result_of, run_trainer
 
 
 class Augmented(Dataset[Any]):
@@ -61,3 +64,26 @@ def test_the_draws_do_not_depend_on_the_number_of_workers_or_processes() -> None
     alone = {float(row[0]): row for batch in one for row in batch}
     split = {float(row[0]): row for rank in (0, 1) for batch in batches(make(2, 16, rank, 2), 3) for row in batch}
     assert alone.keys() == split.keys() and all(torch.equal(alone[k], split[k]) for k in alone)
+
+
+def test_the_built_in_trainer_on_augmented_images_resumes_bit_identically_with_workers(tmp_path: Path) -> None:
+    """An ImageFolder set (RandomResizedCrop and a flip) read by 2 workers: preempted after step 4 and resumed (new
+    workers, mid-epoch), the run ends with the uninterrupted run's weights, bit for bit."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for part, n in (("train", 24), ("val", 4)):
+        for label in ("a", "b"):
+            (tmp_path / "images" / part / label).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (12, 12, 3), generator=gen, dtype=torch.uint8).numpy()
+                Image.fromarray(pixels).save(tmp_path / "images" / part / label / f"{i}.png")
+    args = [*SMALL, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "data.image_size=8",
+            "model.num_classes=2", "data.batch_size=8", "data.num_workers=2", "train.epochs=2",
+            "checkpoint.poll_steps=1", "train.deterministic=true"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(run_trainer([*args, f"run.dir={ref}"], tmp_path))
+    assert run_trainer([*args, f"run.dir={run}"], tmp_path, env=faults(preempt_at_step=3)).returncode == 75
+    ok(run_trainer([*args, f"run.dir={run}"], tmp_path))
+    a, b = (torch.load(result_of(r)["checkpoint"], weights_only=True)["model"] for r in (ref, run))
+    assert result_of(run)["global_step"] == 12 and all(torch.equal(a[k], b[k]) for k in a)
