@@ -108,7 +108,9 @@ class Loader:
         else:
             self.sampler = GlobalBatchSampler(len(dataset), plan, self.rank, self.seed)  # type: ignore[arg-type]
             batches = self._batched(self.sampler, kwargs)
-        if kwargs.get("num_workers", 0) and not isinstance(dataset, InMemory):  # workers: draws by sample (seeding)
+        # Workers: random draws by sample (seeding); not for sets that draw none (tensors, shards decoded as they are).
+        plain = isinstance(dataset, InMemory) or (isinstance(dataset, Shards) and dataset.transform is None)
+        if kwargs.get("num_workers", 0) and not plain:
             dataset, batches = Seeded(dataset, self.seed), Tagged(batches, self.sampler)
         self.loader = DataLoader(dataset, batch_sampler=batches, **kwargs)
 
