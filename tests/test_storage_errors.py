@@ -53,7 +53,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-@pytest.mark.parametrize(("fmt", "background"), [("file", False), ("dcp", False), ("file", True), ("dcp", True)])
+@pytest.mark.parametrize(("fmt", "background"), [("file", False), ("dcp", False), ("dcp", True)])
 def test_a_checkpoint_that_fills_the_disk_is_a_resource_not_the_users_error(tmp_path: Path, small_disk: Path,
                                                                              fmt: str, background: bool) -> None:
     """Two ranks: rank 0's record names the full disk and the file; rank 1's, which only heard of it, is an echo;
