@@ -236,3 +236,15 @@ def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(tmp_path: Pa
     assert {k: trials[number].user_attrs[k] for k in ("array", "job", "worker")} == {"array": "901", "job": "9011",
                                                                                      "worker": 1}
     assert not [t.number for t in trials if t.user_attrs.get("retry_of") == number]  # no second copy of it
+
+
+@pytest.mark.parametrize("target", ["status", "logs", "cancel"])
+def test_make_passes_a_hostile_value_as_one_word(tmp_path: Path, target: str) -> None:
+    """`make status RUN="a'b; touch …"`: the value reaches the tool whole (a ' closed the Makefile's quotes before,
+    a shell syntax error at best, the rest run at worst)."""
+    marker = tmp_path / "ran"
+    value = f"a'b; touch {marker}"
+    proc = subprocess.run(["make", "-s", target, f"RUN={value}"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TRAINER_LEDGER": str(tmp_path / "ledger")})
+    assert proc.returncode == 2, proc.stderr
+    assert f'no run named "{value}"' in proc.stderr and not marker.exists(), proc.stderr
