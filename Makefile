@@ -48,7 +48,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed  ## create .venv with the project and its dev tools
 
 train: venv  ## train the built-in default locally: NPROC processes (CPU or GPUs), ARGS="key=value ..."
-	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) -m trainer $(ARGS)
+	$(BIN)/torchrun --standalone --nproc-per-node=$(call q,$(NPROC)) -m trainer $(ARGS)
 
 test: venv bytecode  ## run the test suite on JOBS pytest-xdist workers (default: cores + 1; JOBS=0 runs it in this process)
 	$(BIN)/pytest -n $(JOBS) --dist loadgroup
@@ -65,7 +65,7 @@ lint: venv  ## ruff, mypy and the dependency rule (import-linter contracts in .i
 	$(BIN)/lint-imports
 
 submit: venv  ## submit to Slurm: CMD="python train.py …" (any command; default: the built-in trainer) CLUSTER=dev NODES=2 LAUNCHER=submitit|sbatch DRY_RUN=1 WAIT=1 ARGS="key=value ..." SET="profile_key=value ..."
-	@$(BIN)/python -m cluster submit --cluster $(call q,$(CLUSTER)) $(if $(NODES),--nodes $(NODES)) --launcher $(call q,$(LAUNCHER)) \
+	@$(BIN)/python -m cluster submit --cluster $(call q,$(CLUSTER)) $(if $(NODES),--nodes $(call q,$(NODES))) --launcher $(call q,$(LAUNCHER)) \
 		$(foreach s,$(SET),--set $(call q,$(s))) $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) $(if $(MODULE),--module $(call q,$(MODULE))) -- $(CMD) $(ARGS)
 
 sweep: venv  ## submit a sweep (an Optuna study; its workers one Slurm job array): SWEEP=cluster/sweeps/example.yaml RESUME=sweeps/… DRY_RUN=1 WAIT=1 SET="profile_key=value ..."
@@ -93,7 +93,7 @@ resubmit: venv  ## submit a run again in its folder (it resumes): RUN=… ARGS="
 	@$(BIN)/python -m cluster resubmit $(call q,$(RUN)) $(ARGS) $(foreach s,$(SET),--set $(call q,$(s)))
 
 doctor: venv  ## preflight checks (GPUs, rendezvous, run folder, all-reduce, W&B) with NPROC local ranks; ARGS, CONTAINER=runtime:image
-	@$(BIN)/python -m trainer.doctor --local $(NPROC) $(if $(CONTAINER),--container $(call q,$(CONTAINER))) $(ARGS)
+	@$(BIN)/python -m trainer.doctor --local $(call q,$(NPROC)) $(if $(CONTAINER),--container $(call q,$(CONTAINER))) $(ARGS)
 
 SLURM ?=
 dev-cluster:  ## start a real 3-node Slurm (with accounting) on this machine (root, Debian/Ubuntu): SLURM=24.11|26.05 from a Debian root
@@ -108,8 +108,8 @@ report: venv  ## a run's report (report.html with plots, goodput): RUN=runs/<id>
 
 RUNS ?= runs
 sync: venv  ## upload offline W&B runs (from a login node with internet): RUNS=runs
-	@runs=$$(find $(RUNS) -maxdepth 4 -path '*/wandb/offline-run-*' -type d 2>/dev/null); \
-	if [ -z "$$runs" ]; then echo "no offline W&B runs under $(RUNS)"; else $(BIN)/wandb sync $$runs; fi
+	@runs=$$(find $(call q,$(RUNS)) -maxdepth 4 -path '*/wandb/offline-run-*' -type d 2>/dev/null); \
+	if [ -z "$$runs" ]; then echo no offline W\&B runs under $(call q,$(RUNS)); else $(BIN)/wandb sync $$runs; fi
 
 docker:  ## build the training image with docker or podman: IMAGE=name:tag BASE_IMAGE=…
 	@engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: ENGINE: neither docker nor podman is installed" \
@@ -120,16 +120,16 @@ sif:  ## build an Apptainer image from IMAGE (or IMAGE_TAR=archive.tar from `doc
 	@command -v apptainer >/dev/null || { printf '%s\n' "error: SIF: apptainer is not installed" \
 		"HINT: build on a machine with apptainer (most HPC login nodes), from IMAGE_TAR=… made with \`docker save\`;" \
 		"on Debian 12 or any machine without it: bash containers/apptainer.sh up && eval \"\$$(bash containers/apptainer.sh env)\"" >&2; exit 2; }
-	@$(if $(IMAGE_TAR),[ -f $(call q,$(IMAGE_TAR)) ] || { printf '%s\n' "error: IMAGE_TAR: $(IMAGE_TAR) does not exist" \
-		"HINT: make it where the image is: docker save $(IMAGE) -o $(IMAGE_TAR)" >&2; exit 2; },\
-		engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: IMAGE: no docker or podman to read $(IMAGE) from" \
+	@$(if $(IMAGE_TAR),[ -f $(call q,$(IMAGE_TAR)) ] || { printf '%s\n' "error: IMAGE_TAR: "$(call q,$(IMAGE_TAR))" does not exist" \
+		"HINT: make it where the image is: docker save "$(call q,$(IMAGE))" -o "$(call q,$(IMAGE_TAR)) >&2; exit 2; },\
+		engine=$$(command -v docker || command -v podman) || { printf '%s\n' "error: IMAGE: no docker or podman to read "$(call q,$(IMAGE))" from" \
 		"HINT: make docker first (bash containers/engine.sh up starts a private engine), or pass IMAGE_TAR=… from docker save" >&2; exit 2; }; \
-		"$$engine" image inspect $(call q,$(IMAGE)) >/dev/null 2>&1 || { printf '%s\n' "error: IMAGE: $(IMAGE) is not in the engine (or the engine does not answer)" \
-		"HINT: make docker IMAGE=$(IMAGE) first, or pass IMAGE_TAR=… from docker save" >&2; exit 2; })
+		"$$engine" image inspect $(call q,$(IMAGE)) >/dev/null 2>&1 || { printf '%s\n' "error: IMAGE: "$(call q,$(IMAGE))" is not in the engine (or the engine does not answer)" \
+		"HINT: make docker IMAGE="$(call q,$(IMAGE))" first, or pass IMAGE_TAR=… from docker save" >&2; exit 2; })
 	apptainer build $(if $(SQUASHFS_ARGS),--mksquashfs-args $(call q,$(SQUASHFS_ARGS))) $(if $(IMAGE_TAR),--build-arg BOOTSTRAP=docker-archive --build-arg SOURCE=$(call q,$(IMAGE_TAR)),--build-arg SOURCE=$(call q,$(IMAGE))) $(call q,$(SIF)) containers/trainer.def
 
 bench: venv  ## measure scaling, trainer vs a bare loop, checkpoint cost, launch overhead → docs/benchmarks.md
-	$(BIN)/python -m benchmarks.bench --repeats $(REPEATS)
+	$(BIN)/python -m benchmarks.bench --repeats $(call q,$(REPEATS))
 
 docs: venv  ## the README and docs/ as a static site in build/docs/site, every link and anchor checked (MkDocs --strict)
 	$(BIN)/python docs/site.py

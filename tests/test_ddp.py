@@ -128,6 +128,21 @@ def test_a_rank_that_never_reaches_the_rendezvous_is_no_bad_input(tmp_path: Path
     assert (record.kind, record.echo) == ("infrastructure", True), record
 
 
+def test_a_job_store_that_is_not_there_is_named_with_a_hint(tmp_path: Path) -> None:
+    """TRAINER_STORE names a port nothing listens on (the store never started): its own error and HINT, exit 2, not
+    taken for a peer that never came (the client's connect attempts also end in a timeout)."""
+    from .conftest import free_port, warm
+
+    rank_env = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()), "TRAINER_STORE": f"127.0.0.1:{free_port()}:{free_port()}"}
+    proc = warm.Popen([sys.executable, "-m", "trainer", *SMALL, f"run.dir={tmp_path / 'run'}", "dist.timeout_s=3"],
+                      cwd=tmp_path, env=clean_env(rank_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2 and "error: TRAINER_STORE: rank 1: the job's store at 127.0.0.1:" in out, out
+    assert "HINT: start python -m trainer.store first" in out and "Traceback" not in out, out
+
+
 def test_the_same_master_port_right_after_another_run_is_no_error(tmp_path: Path) -> None:
     """The port a finished run used serves the next one (a requeued attempt, or training after the doctor)."""
     from .conftest import free_port, spawn_ranks

@@ -129,6 +129,14 @@ def test_a_kept_global_batch_that_a_smaller_size_cannot_split_becomes_the_neares
     taken = [int(i) for loader in three for (b,) in [next(iter(loader))] for i in b]
     seen = set(three[0].sampler.order(0)[:32])  # type: ignore[union-attr]  # the 2 steps of 16 trained before
     assert len(taken) == 3 * three[0].batch_size and not set(taken) & seen
+    again = three[0].state_dict()  # saved on 3 (15 a step): back on 4, the first attempt's 16 again, not 15 or less
+    assert (again["global_batch_size"], again["kept_global_batch"]) == (15, 16)
+    back = train_loader(data, env_of(0, 4), 4, None, 3, said.append, resizable=True)
+    assert not back.exact_after(again)
+    back.load_state_dict(again)
+    assert back.plan is not None and back.plan.global_batch == 16 and sum("not split" in m for m in said) == 3
+    on_three = train_loader(data, env_of(0, 3), 4, None, 3, said.append, resizable=True)
+    assert on_three.exact_after(again)  # the same size again: its very batches
     with pytest.raises(UserError, match="16 samples per step do not split equally across 3"):  # the user's own
         train_loader(data, env_of(0, 3), 4, 16, 3, print)
 

@@ -87,3 +87,29 @@ def test_the_built_in_trainer_on_augmented_images_resumes_bit_identically_with_w
     ok(run_trainer([*args, f"run.dir={run}"], tmp_path))
     a, b = (torch.load(result_of(r)["checkpoint"], weights_only=True)["model"] for r in (ref, run))
     assert result_of(run)["global_step"] == 12 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_random_split_is_seeded_by_sample_and_a_worker_init_reaches_the_users_set() -> None:
+    """random_split's Subset reads sample by sample: each seeded by itself whatever its micro-batch (micro-batches of
+    4 on one process, 8 on each of two, a global batch of 16); an attribute a worker_init_fn sets on the worker's dataset reaches the user's set."""
+    from torch.utils.data import Subset, get_worker_info
+
+    part = Subset(Augmented(), list(range(0, 96, 2)))
+    one = {float(r[0]): r for b in batches(train_loader(part, env(), 4, 16, 7, print, num_workers=1), 8) for r in b}
+    two = {float(r[0]): r for rank in (0, 1) for b in batches(train_loader(part, env(rank, 2), 8, 16, 7, print,
+                                                                           num_workers=1), 2) for r in b}
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+    class Opened(Augmented):
+        handle = "unset"
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([float(i), float(self.handle == "opened")])
+
+    def init(_: int) -> None:
+        info = get_worker_info()
+        assert info is not None
+        info.dataset.handle = "opened"  # type: ignore[attr-defined]
+
+    got = batches(train_loader(Opened(), env(), 8, None, 7, print, num_workers=1, worker_init_fn=init), 1)[0]
+    assert bool((got[:, 1] == 1).all()), got

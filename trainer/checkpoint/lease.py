@@ -48,7 +48,8 @@ class UnsafeRoot(PermissionError):
 def safe_root(root: Path) -> None:
     """Make ``root`` (mode 0o700) if missing, then check it is a real folder of this user that no one else may write;
     else raise UnsafeRoot naming it (an OSError: a caller that cannot snapshot goes on without snapshots). A root an
-    earlier release made with the umask's mode (readable by others, never writable) is narrowed to 0o700."""
+    earlier release made that others could only read (umask 022) is narrowed to 0o700; one its group could write
+    (umask 002) is refused like any other: what it holds may not be this user's."""
     root.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(root, 0o700)

@@ -111,7 +111,7 @@ def setup(env: DistEnv, cfg: Config, device: torch.device, store: StoreAddress |
                                     spare)
             exits.went_on_without(membership.replaced())  # a spare's end record names the ranks it replaced
         except (RuntimeError, OSError) as exc:
-            if _timed_out(exc):  # the store answered; a peer never came (or the store host never did)
+            if _timed_out(exc) and "trying to connect" not in str(exc):  # the store answered; a peer never came
                 raise _not_all_came(env, f"the job's store at {store.host}:{store.port}", timeout, True) from None
             raise UserError("TRAINER_STORE", f"rank {env.rank}: the job's store at {store.host}:{store.port} did "
                             f"not answer: {(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]}",

@@ -62,6 +62,8 @@ class Loader:
         self.env, self.world_size, self.rank, self.seed, self.kwargs = env, env.world_size, env.rank, seed, kwargs
         self.dataset, self.cap, self.own_accumulation = dataset, batch_size, accumulation
         self.kept, self.say, self.tell = kept, say, say
+        self.first = plan.global_batch if kept and plan else 0
+        """A kept global batch as the first attempt fixed it: each size plans from it (the nearest it can split)."""
         """``kept``: the global batch is the first attempt's, not the user's: a checkpoint's replaces it (a job that
         may change size); said once, as the first batch is taken."""
         self.fixed = plan is not None
@@ -205,7 +207,7 @@ class Loader:
         """Go on as ``env``'s rank from ``state`` (a ``state_dict`` taken at a step's start): the same global batches
         on the new number of processes, as a resume from a checkpoint would. A running ``forever()`` follows."""
         self.env, self.world_size, self.rank = env, env.world_size, env.rank
-        self._build(self._planned(self.plan.global_batch) if self.fixed and self.plan else None)
+        self._build(self._planned(self.first or self.plan.global_batch) if self.fixed and self.plan else None)
         self.load_state_dict(state)
         self.resets += 1
 
@@ -214,14 +216,15 @@ class Loader:
         return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size,
                 "world_size": self.world_size, "base": self.base,
                 "samples": self.base + self.position * self.batch_size * self.world_size,
-                "global_batch_size": self.plan.global_batch if self.plan else 0}
+                "global_batch_size": self.plan.global_batch if self.plan else 0, "kept_global_batch": self.first}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where ``state`` left off: exactly with the same global batch (on any world size, from a save at
         a step's end), else after the samples already seen, at the start of the next whole step."""
-        saved = state.get("global_batch_size", 0)
-        if self.kept and saved and self.plan and saved != self.plan.global_batch:  # the first attempt's global batch
-            self._build(self._planned(saved))
+        first = state.get("kept_global_batch") or state.get("global_batch_size", 0)
+        if self.kept and first and self.plan and first != self.first:  # the first attempt's global batch
+            self.first = first
+            self._build(self._planned(first))
         self.epoch, self.position = state["epoch"], state["position"]
         consumed = state.get("samples", state["position"] * state["batch_size"] * state["world_size"])
         split = (state["world_size"], state["batch_size"], state.get("global_batch_size", 0))
@@ -249,8 +252,9 @@ class Loader:
     def exact_after(self, state: dict[str, int]) -> bool:
         """Whether resuming from ``state`` continues with the very global batches the saving run had next (it saved
         at the end of a step: ``should_save`` comes after the optimizer step)."""
-        saved = state.get("global_batch_size")
-        adopted = bool(self.kept and saved and saved % self.world_size == 0)  # kept: load_state_dict takes it
+        saved, first = state.get("global_batch_size"), state.get("kept_global_batch") or state.get("global_batch_size")
+        # Kept: load_state_dict plans from the first attempt's; exact where that gives the saving run's batches.
+        adopted = bool(self.kept and first and kept_plan(first, self.world_size, self.cap)[0].global_batch == saved)
         return self.plan is not None and (saved == self.plan.global_batch or adopted)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import xxhash
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, Subset
 
 
 class Epoched(Protocol):
@@ -36,9 +36,14 @@ def reseed(seed: int, epoch: int, key: Any) -> None:
 class Seeded(Dataset[Any]):
     """``dataset`` read by ``(epoch, key)``: each sample under its own seeds (:func:`reseed`)."""
 
+    dataset: Dataset[Any]
+    seed: int
+
     def __init__(self, dataset: Dataset[Any], seed: int) -> None:
-        self.dataset, self.seed = dataset, seed
-        if not callable(getattr(dataset, "__getitems__", None)):
+        self.__dict__.update(dataset=dataset, seed=seed)
+        # A Subset (random_split's) reads sample by sample anyway: through __getitem__, each sample seeded. Only a set
+        # that truly reads a batch at once (its __getitems__ its own) is seeded once a batch, from its first sample.
+        if isinstance(dataset, Subset) or not callable(getattr(dataset, "__getitems__", None)):
             self.__dict__["__getitems__"] = None  # DataLoader's fetcher then reads sample by sample, through __getitem__
 
     def __len__(self) -> int:
@@ -58,6 +63,10 @@ class Seeded(Dataset[Any]):
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """To the user's set: a worker_init_fn's ``get_worker_info().dataset.handle = open(…)`` reaches it."""
+        setattr(self.dataset, name, value)
 
 
 class Tagged(Sampler[list[tuple[int, Any]]]):
