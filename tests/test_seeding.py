@@ -90,8 +90,9 @@ def test_the_built_in_trainer_on_augmented_images_resumes_bit_identically_with_w
 
 
 def test_a_random_split_is_seeded_by_sample_and_a_worker_init_reaches_the_users_set() -> None:
-    """random_split's Subset reads sample by sample: each seeded by itself whatever its micro-batch (micro-batches of
-    4 on one process, 8 on each of two, a global batch of 16); an attribute a worker_init_fn sets on the worker's dataset reaches the user's set."""
+    """random_split's Subset reads sample by sample: each seeded by itself whatever its micro-batch (micro-batches
+    of 4 on one process, 8 on each of two, a global batch of 16); an attribute a worker_init_fn sets on the worker's
+    dataset reaches the user's set."""
     from torch.utils.data import Subset, get_worker_info
 
     part = Subset(Augmented(), list(range(0, 96, 2)))
