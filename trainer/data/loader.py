@@ -62,10 +62,10 @@ class Loader:
         self.env, self.world_size, self.rank, self.seed, self.kwargs = env, env.world_size, env.rank, seed, kwargs
         self.dataset, self.cap, self.own_accumulation = dataset, batch_size, accumulation
         self.kept, self.say, self.tell = kept, say, say
-        self.first = plan.global_batch if kept and plan else 0
-        """A kept global batch as the first attempt fixed it: each size plans from it (the nearest it can split)."""
         """``kept``: the global batch is the first attempt's, not the user's: a checkpoint's replaces it (a job that
         may change size); said once, as the first batch is taken."""
+        self.first = plan.global_batch if kept and plan else 0
+        """A kept global batch as the first attempt fixed it: each size plans from it (the nearest it can split)."""
         self.fixed = plan is not None
         """A global batch is the contract (the user's, or kept): ``accumulation`` is the plan's."""
         self.iterable = isinstance(dataset, IterableDataset)
