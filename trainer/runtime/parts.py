@@ -26,7 +26,7 @@ from trainer.core.schema import Config
 from trainer.runtime import compile_cache
 from trainer.runtime.growth import Growth
 from trainer.runtime.health.audit import Audit
-from trainer.runtime.health.heartbeat import Heartbeat
+from trainer.runtime.health.heartbeat import Heartbeat, hang_folder
 from trainer.runtime.records.rundir import RunDir
 from trainer.runtime.records.tracking import Tracker
 from trainer.runtime.records.trial import Reports
@@ -143,7 +143,7 @@ def regrouped_parts(p: Parts, s: Setup, model: nn.Module | None, objects: dict[s
     p.group.audit.close()
     settle_saves(p, s.say)
     run, events, tracker = RunDir(p.run.path, env), p.events, p.tracker
-    p.heartbeat.env, p.heartbeat.folder = env, hang_folder(run, s)  # its files go by the rank now
+    p.heartbeat.env, p.heartbeat.folder = env, _group_hang(run, s)  # its files go by the rank now
     if env.is_main and not p.run.env.is_main:
         events, tracker = EventLog(run.path), Tracker(s.cfg, env, s.job, run.path)
         tracker.start(config, p.restored.run_id)
@@ -209,14 +209,12 @@ def _emitting(snapshots: Snapshots | None, events: EventLog) -> Snapshots | None
 def _heartbeat(s: Setup, run: RunDir) -> Heartbeat:
     """This rank's hang watchdog; where the group can go on without a stuck rank, it has the store kill it (and
     counts there while it runs: a stopped rank is found without waiting for its files)."""
-    return Heartbeat(s.env, hang_folder(run, s), s.cfg.dist.heartbeat_s, store=s.membership)
+    return Heartbeat(s.env, _group_hang(run, s), s.cfg.dist.heartbeat_s, store=s.membership)
 
 
-def hang_folder(run: RunDir, s: Setup) -> Path:
-    """Where a hang report of this group goes: ``hang/``, and after the k-th regroup ``hang-k/`` (a hang the group
-    went on from keeps its report, and the next one's files are its own)."""
-    generation = s.membership.place.generation if s.membership else 0
-    return run.hang.with_name(f"{run.hang.name}-{generation}") if generation else run.hang
+def _group_hang(run: RunDir, s: Setup) -> Path:
+    """Where a hang report of this group goes (``hang_folder``: its generation's)."""
+    return hang_folder(run.path, s.membership.place.generation if s.membership else 0)
 
 
 def finished(p: Parts, summary: dict[str, Any], step: int, report: bool) -> None:

@@ -42,7 +42,19 @@ EXIT_HANG = 3
 """Exit code after a hang report (no step finished for ``dist.heartbeat_timeout_s`` on some rank)."""
 
 HANG_FOLDER = "hang"
-"""The run folder's subfolder for the hang report and every rank's files."""
+"""The run folder's subfolder for the hang report and every rank's files (``hang-<k>`` after the k-th regroup)."""
+
+
+def hang_folder(run_dir: Path, generation: int = 0) -> Path:
+    """Where a hang report of the group's ``generation`` goes: ``hang/``, after the k-th regroup ``hang-k/`` (a hang
+    the group went on from keeps its report, and the next one's files are its own)."""
+    return run_dir / (f"{HANG_FOLDER}-{generation}" if generation else HANG_FOLDER)
+
+
+def hang_folders(run_dir: Path) -> list[Path]:
+    """Every generation's hang folder in ``run_dir`` (not those set aside, whose names carry a time)."""
+    return [f for f in run_dir.glob(f"{HANG_FOLDER}*")
+            if f.name == HANG_FOLDER or f.name.removeprefix(f"{HANG_FOLDER}-").isdigit()]
 
 NCCL_DUMP_TIMEOUT_S = 5.0
 """How long a rank waits for NCCL's flight recorder dump before it reports without it."""

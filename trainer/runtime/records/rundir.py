@@ -16,7 +16,7 @@ from trainer.core.env import DistEnv, default_run_dir
 from trainer.core.errors import UserError
 from trainer.core.files import write_atomic, write_json
 from trainer.core.records import REQUEUE_MARKER, RequeueMarker
-from trainer.runtime.health.heartbeat import HANG_FOLDER, set_aside
+from trainer.runtime.health.heartbeat import hang_folders, set_aside
 from trainer.runtime.records.attempts import attempts, figures, summary
 
 
@@ -49,9 +49,8 @@ class RunDir:
                 # Before the broadcast below, so before any rank's watchdog: an earlier attempt's files would
                 # complete rank 0's wait for every rank at once and hand the other ranks a stale report.
                 # Every generation's folder (hang-k after the k-th regroup): the next attempt's regroups count from 1.
-                for folder in [self.path / HANG_FOLDER, *self.path.glob(f"{HANG_FOLDER}-*")]:
-                    generation = folder.name == HANG_FOLDER or folder.name[len(HANG_FOLDER) + 1:].isdigit()
-                    if generation and (moved := set_aside(folder)):
+                for folder in hang_folders(self.path):
+                    if moved := set_aside(folder):
                         say(self.env, f"note: the previous attempt's hang diagnostics were moved to {moved}")
             except OSError as exc:
                 raise UserError("run.dir", f"cannot write {str(self.path)!r} ({exc.strerror})",
@@ -63,10 +62,6 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
-
-    @property
-    def hang(self) -> Path:
-        return self.path / HANG_FOLDER
 
     def write_result(self, result: dict[str, Any]) -> None:
         """The run's summary (rank 0)."""
