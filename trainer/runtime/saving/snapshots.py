@@ -121,16 +121,11 @@ class Snapshots:
         """Collective: one snapshot; a failure on any rank (a full /dev/shm) ends snapshots on every rank, with a
         warning, and training goes on."""
         started = time.perf_counter()
-        failed = ""
-        # Any error (one rank's alone: a write, a pickle, memory) is agreed below, never raised past a collective.
-        try:  # the last background write (a node's lead's alone) fails here, agreed below with this one's outcome
-            self.store.wait()
-        except Exception as exc:  # noqa: BLE001
-            failed = f"{type(exc).__name__}: {exc}"[:200]
-        try:  # every rank takes part in the save's collectives, whichever failed before
-            self.store.save(state, sharded, step)
-        except Exception as exc:  # noqa: BLE001
-            failed = failed or f"{type(exc).__name__}: {exc}"[:200]
+        # The last background write (a node's lead's alone) fails in wait(); every rank then takes part in the
+        # save's collectives all the same, and both outcomes are agreed below.
+        waited = _failure(self.store.wait)
+        failed = _failure(lambda: self.store.save(state, sharded, step))
+        failed = waited or failed
         stall = time.perf_counter() - started
         flag = torch.tensor([int(bool(failed))], dtype=torch.int32)
         if self.env.world_size > 1:
@@ -152,6 +147,16 @@ class Snapshots:
             print(f"warning: the last memory snapshot failed ({exc})", flush=True)
         if finished:
             self.store.clear()
+
+
+def _failure(fn: Callable[[], Any]) -> str:
+    """``fn()``'s error in a line ("" when none): any error of one rank's (a write, a pickle, memory) is agreed by
+    the caller, never raised past a collective."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
 
 
 def _bytes(objects: dict[str, Any]) -> int:
