@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,15 +91,21 @@ def test_a_position_saved_on_two_processes_continues_exactly_on_three() -> None:
     assert all(loader.epoch == 1 and loader.position == 0 for loader in three)
 
 
+def _kept_after_two_steps(data: torch.utils.data.Dataset[Any], world: int) -> dict[str, int]:
+    """A job that may change size, on ``world`` processes of 4 samples each (its global batch kept), after two steps:
+    the loader state its checkpoint holds."""
+    loaders = [train_loader(data, env_of(r, world), 4, None, 3, print, resizable=True) for r in range(world)]
+    for loader in loaders:
+        it = iter(loader)
+        next(it), next(it)
+    return loaders[0].state_dict()
+
+
 def test_a_kept_global_batch_continues_exactly_on_another_size_and_says_no_other_batch() -> None:
     """A node range without a global batch keeps its first attempt's (3 × 4 = 12): resumed on two processes, it
     adopts the checkpoint's 12 (not 2 × 4) and counts as exact, so no note of another global batch is printed."""
     data = torch.utils.data.TensorDataset(torch.arange(50))
-    three = [train_loader(data, env_of(r, 3), 4, None, 3, print, resizable=True) for r in range(3)]
-    for loader in three:
-        it = iter(loader)
-        next(it), next(it)
-    state = three[0].state_dict()
+    state = _kept_after_two_steps(data, 3)
     assert state["global_batch_size"] == 12
     two = [train_loader(data, env_of(r, 2), 4, None, 3, print, resizable=True) for r in range(2)]
     for loader in two:
@@ -113,11 +120,7 @@ def test_a_kept_global_batch_that_a_smaller_size_cannot_split_becomes_the_neares
     """Kept at 4 × 4 = 16 and resumed (or regrouped) on 3 processes, which cannot share 16: 15 from there on, said
     once, and not counted as exact; the job goes on instead of failing as bad input at its second loss."""
     data = torch.utils.data.TensorDataset(torch.arange(200))
-    four = [train_loader(data, env_of(r, 4), 4, None, 3, print, resizable=True) for r in range(4)]
-    for loader in four:
-        it = iter(loader)
-        next(it), next(it)
-    state = four[0].state_dict()
+    state = _kept_after_two_steps(data, 4)
     said: list[str] = []
     three = [train_loader(data, env_of(r, 3), 4, None, 3, said.append, resizable=True) for r in range(3)]
     for loader in three:
