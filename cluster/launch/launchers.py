@@ -30,6 +30,7 @@ from cluster.launch.submission import Submission, python_for
 from cluster.launch.submitit_adapter import renderable, submission_text
 from cluster.profile import Profile
 from trainer.core.errors import UserError
+from trainer.core.exits import EXIT_INTERRUPTED
 
 Recorder = Callable[[str, str], None]
 """Called with the job id and its log (file or folder) once Slurm took the job: the ledger's record."""
@@ -269,7 +270,7 @@ def stopped_waiting(job_id: str) -> int:
     """Ctrl-C while waiting for a job stops the waiting, not the job: one line instead of a traceback, and 130 (the
     shell's code for an interrupted command)."""
     print(f"\nstopped waiting; job {job_id} runs on: python -m cluster status {job_id}", file=sys.stderr, flush=True)
-    return 130
+    return EXIT_INTERRUPTED
 
 
 def ended(job: Any, poll_s: float = 2.0, grace_s: float = 15.0) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cluster.job.ledger import Record
 from trainer.core.errors import UserError
+from trainer.core.exits import EXIT_INTERRUPTED
 
 MARK = re.compile(r"(?:^|\s)attempt ([\d.]+) of job (\d+) starts")
 """An attempt's first line; its id is Slurm's restart count, with ``.N`` for a restart inside the allocation."""
@@ -91,7 +92,7 @@ def show(record: Record, rank: int | None, attempt: str | None, follow: bool,
             raise
         # Ctrl-C ends the following, not the job: one line instead of a traceback, and the shell's 130.
         print(f"\nstopped following; job {record.job_id} runs on", file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _show_job(record: Record, rank: int | None, attempt: str | None, follow: bool, alive: Callable[[], bool],

@@ -16,6 +16,7 @@ from cluster.sweeps.folder import SweepFile, log_path
 from cluster.sweeps.lost import fail_lost, squeue_states, task_states
 from cluster.sweeps.trials import Row, columns, show
 from trainer.core.errors import UserError
+from trainer.core.exits import EXIT_INTERRUPTED
 
 FINISHED = ("completed", "failed", "cancelled", "timeout", "out_of_memory", "node_fail", "boot_fail", "deadline",
             "preempted", "ended")
@@ -122,7 +123,7 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
     except KeyboardInterrupt:  # stops the waiting, not the sweep
         print(f"\nstopped waiting; the sweep runs on: python -m cluster sweep-status {shlex.quote(str(sweep_dir))}",
               file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     rows, study = status(sweep_dir)
     print(format_status(sweep_dir, rows))
     page(sweep_dir, rows, study)
