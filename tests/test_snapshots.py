@@ -127,6 +127,28 @@ def test_a_snapshot_that_fails_on_one_node_stops_snapshots_on_every_rank(tmp_pat
     assert result_of(run)["outcome"] == "finished"
 
 
+@pytest.mark.parametrize("missing", [None, 1])
+def test_a_partner_swap_that_fails_on_one_rank_fails_on_both_instead_of_waiting(tmp_path: Path,
+                                                                                missing: int | None) -> None:
+    """A sharded snapshot's swap sends each rank's shard file to its partner on the next node. With rank 1's file
+    gone (removed from outside), both ranks fail the swap at once, rank 1 naming the file; before, rank 1 left for the
+    stage's agreement while rank 0 waited to receive from it, until the process group's timeout."""
+    for rank in (0, 1):
+        (tmp_path / f"tmp-{rank}").mkdir()
+        if rank != missing:
+            (tmp_path / f"tmp-{rank}" / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+    ranks = spawn_ranks([str(tmp_path)], ROOT, 2, script=ROOT / "tests/scripts/partner_swap.py", nodes=["n1", "n2"])
+    proc = ok(wait_ranks(ranks, [], 120))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("swapped", "failed"))]
+    if missing is None:
+        assert lines == ["swapped ['__0_0.distcp', '__1_0.distcp']"] * 2, proc.stdout
+        assert (tmp_path / "tmp-0" / "__1_0.distcp").read_bytes() == bytes([1]) * 1000
+    else:
+        assert lines == ["failed: another rank's part of the snapshot failed",
+                         "failed: FileNotFoundError: [Errno 2] No such file or directory: "
+                         f"'{tmp_path / 'tmp-1' / '__1_0.distcp'}'"], proc.stdout
+
+
 @pytest.mark.parametrize(("memory", "environ", "strategy", "taken"), [
     ("auto", {}, "fsdp", False),                                          # a job that cannot restart in place
     ("auto", {"TRAINER_IN_PLACE": "1"}, "ddp", True),                     # spares or a node range

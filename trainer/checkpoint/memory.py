@@ -152,7 +152,7 @@ class MemorySnapshots:
                 save_atomic(tmp / EXTRA, state, sync_dir=False)
 
         _settle(extra)
-        _settle(lambda: self._swap_with_partner(tmp, own))
+        self._swap_with_partner(tmp, own)
 
         def commit() -> None:
             if self.lead:
@@ -164,14 +164,22 @@ class MemorySnapshots:
         _settle(commit)
 
     def _swap_with_partner(self, tmp: Path, own: list[str]) -> None:
-        """Send this rank's shard files to the same local rank on the next node; take the previous node's."""
+        """Collective: send this rank's shard files to the same local rank on the next node; take the previous
+        node's. Reading, the exchange's buffers and writing are each agreed: a rank that failed alone would leave its
+        partner waiting in a send."""
         local, world = self.env.local_world_size, self.env.world_size
         if world <= local:
             return
         to, frm = (self.env.rank + local) % world, (self.env.rank - local) % world
-        got = _swap({n: (tmp / n).read_bytes() for n in own}, to, frm)
-        for name, data in got.items():
-            (tmp / name).write_bytes(data)
+        files: dict[str, bytes] = {}
+        _settle(lambda: files.update({n: (tmp / n).read_bytes() for n in own}))
+        meta, data = _swap(files, to, frm)
+
+        def write() -> None:
+            for name, blob in _unpack(meta, data).items():
+                (tmp / name).write_bytes(blob)
+
+        _settle(write)
 
     def _commit(self, step: int, held: dict[str, int], files: list[str]) -> None:
         """The manifest (the commit point), then older snapshots go."""
@@ -314,22 +322,33 @@ def _recv(src: int) -> bytes:
     return buf.numpy().tobytes()
 
 
-def _swap(files: dict[str, bytes], to: int, frm: int) -> dict[str, bytes]:
-    """Send ``files`` to rank ``to`` while receiving rank ``frm``'s (a ring: every rank sends and receives once)."""
+def _swap(files: dict[str, bytes], to: int, frm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collective: send ``files`` to rank ``to`` while receiving rank ``frm``'s (a ring: every rank sends and receives
+    once); returns what came, for ``_unpack``. The buffers are made, and agreed, before any payload moves."""
     blob = json.dumps({n: len(d) for n, d in files.items()}).encode()
-    out_meta = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     sizes = torch.tensor([len(blob), sum(len(d) for d in files.values())], dtype=torch.int64)
     got_sizes = torch.zeros(2, dtype=torch.int64)
     _both(sizes, got_sizes, to, frm)
-    got_meta = torch.empty(int(got_sizes[0]), dtype=torch.uint8)
+    bufs: list[torch.Tensor] = []
+
+    def buffers() -> None:
+        joined = b"".join(files.values())
+        payload = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+        bufs.extend([torch.frombuffer(bytearray(blob), dtype=torch.uint8), torch.empty(int(got_sizes[0]), dtype=torch.uint8),
+                     payload, torch.empty(int(got_sizes[1]), dtype=torch.uint8)])
+
+    _settle(buffers)
+    out_meta, got_meta, payload, got = bufs
     _both(out_meta, got_meta, to, frm)
-    payload = torch.frombuffer(bytearray(b"".join(files.values())), dtype=torch.uint8) if files else \
-        torch.empty(0, dtype=torch.uint8)
-    got = torch.empty(int(got_sizes[1]), dtype=torch.uint8)
     _both(payload, got, to, frm)
-    data, out, at = got.numpy().tobytes(), {}, 0
-    for name, size in json.loads(got_meta.numpy().tobytes()).items():
-        out[name], at = data[at:at + size], at + size
+    return got_meta, got
+
+
+def _unpack(meta: torch.Tensor, data: torch.Tensor) -> dict[str, bytes]:
+    """The files ``_swap`` received, by name."""
+    raw, out, at = data.numpy().tobytes(), {}, 0
+    for name, size in json.loads(meta.numpy().tobytes()).items():
+        out[name], at = raw[at:at + size], at + size
     return out
 
 
