@@ -225,7 +225,7 @@ def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(tmp_path: Pa
     folder = local_sweep(tmp_path, TPE)
     be(monkeypatch, "900", 1)
     assert worker.next_trial(folder, 1) == 0
-    number = json.loads((folder / "workers" / "1.json").read_text())["trial"]
+    number = json.loads((folder / "workers" / "900_1.json").read_text())["trial"]
     listed.write_text("901_0|RUNNING\n901_1|RUNNING\n")  # `make cancel`, then `make sweep RESUME=…`: array 901
     be(monkeypatch, "901", 1)
     assert worker.next_trial(folder, 1) == 0  # re-attached: it trains the trial now
@@ -236,6 +236,46 @@ def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(tmp_path: Pa
     assert {k: trials[number].user_attrs[k] for k in ("array", "job", "worker")} == {"array": "901", "job": "9011",
                                                                                      "worker": 1}
     assert not [t.number for t in trials if t.user_attrs.get("retry_of") == number]  # no second copy of it
+
+
+def test_a_sweep_resumed_while_its_array_runs_never_gives_one_trial_to_two_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make sweep RESUME=…` while array 900 still trains: task 901_0 reused 900_0's files (workers/0.json) and
+    re-attached to the trial 900_0 trains, both jobs in one RUN_DIR. Each array's task has its own files, and a trial
+    is taken over only from a worker Slurm no longer lists."""
+    listed = tmp_path / "squeue.out"
+    listed.write_text("900_0|RUNNING\n")
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', {'squeue': f'cat {listed}'})}:{os.environ['PATH']}")
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, "900", 0)
+    assert worker.next_trial(folder, 0) == 0
+    old = json.loads((folder / "workers" / "900_0.json").read_text())["trial"]
+    listed.write_text("900_0|RUNNING\n901_0|RUNNING\n")
+    be(monkeypatch, "901", 0)
+    assert worker.next_trial(folder, 0) == 0
+    new = json.loads((folder / "workers" / "901_0.json").read_text())["trial"]
+    assert new != old and json.loads((folder / "workers" / "900_0.json").read_text())["trial"] == old
+    trials = studies.open_study(worker.record_of(folder), folder).trials
+    assert trials[old].state.name == "RUNNING" and trials[old].user_attrs["array"] == "900"
+    assert "/trials/" + str(new) in (folder / "workers" / "901_0.sh").read_text()
+
+
+def test_a_resumed_sweeps_worker_does_not_inherit_the_failures_of_the_cancelled_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken environment failed worker 900_0's trials until it stopped; fixed, the sweep is RESUMEd: 901_0 starts
+    with no failures of its own (it stopped at once, "its last 3 trials failed", when it read 900_0's file)."""
+    listed = tmp_path / "squeue.out"
+    listed.write_text("900_0|RUNNING\n")
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', {'squeue': f'cat {listed}'})}:{os.environ['PATH']}")
+    folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))
+    be(monkeypatch, "900", 0)
+    for _ in range(worker.FAILURES_IN_A_ROW):
+        assert worker.next_trial(folder, 0) == 0
+        assert worker.end(folder, 0, 1) == 0  # no result.json: failed
+    assert worker.next_trial(folder, 0) == worker.EXIT_STOP
+    listed.write_text("901_0|RUNNING\n")
+    be(monkeypatch, "901", 0)
+    assert worker.next_trial(folder, 0) == 0
 
 
 @pytest.mark.parametrize("target", ["status", "logs", "cancel"])

@@ -362,9 +362,11 @@ def be(monkeypatch: pytest.MonkeyPatch, w: int, attempt: int = 0) -> None:
 
 
 def assignment(folder: Path, w: int) -> tuple[int, Path, list[str]]:
-    """The trial worker ``w`` runs, its RUN_DIR and arguments, as the batch script reads them from workers/<w>.sh."""
-    mine = json.loads((folder / "workers" / f"{w}.json").read_text())
-    out = subprocess.run(["bash", "-c", f'source {shlex.quote(str(folder / "workers" / f"{w}.sh"))}; '
+    """The trial worker ``w`` runs, its RUN_DIR and arguments, as the batch script reads them from
+    workers/<array>_<w>.sh (array 900, or the array ``be`` set)."""
+    task = f"{os.environ.get('SLURM_ARRAY_JOB_ID', '900')}_{w}"
+    mine = json.loads((folder / "workers" / f"{task}.json").read_text())
+    out = subprocess.run(["bash", "-c", f'source {shlex.quote(str(folder / "workers" / f"{task}.sh"))}; '
                           'printf "%s\\n" "$RUN_DIR" "$TRAINER_TRIAL" "$@"'], capture_output=True, text=True).stdout
     run_dir, name, *args = out.splitlines()
     assert name == f"s-1-{mine['trial']}" and Path(run_dir) == folder / "trials" / str(mine["trial"])
@@ -441,7 +443,7 @@ def test_the_relay_ends_with_its_trial_and_the_script_kills_the_relay_itself(
     assert worker.next_trial(folder, 0) == 0
     _, run_dir, _ = assignment(folder, 0)
     relay = subprocess.Popen([sys.executable, "-m", "cluster.sweeps.worker", "relay", str(folder), "--worker", "0"],
-                             cwd=ROOT, env=clean_env({"PYTHONPATH": str(ROOT)}))
+                             cwd=ROOT, env=clean_env({"PYTHONPATH": str(ROOT), "SLURM_ARRAY_JOB_ID": "900"}))
     try:
         time.sleep(1)
         assert relay.poll() is None  # the trial trains: the relay polls

@@ -35,10 +35,12 @@ def submit(spec: dict[str, object], env: dict[str, str], cwd: Path) -> tuple[Pat
 
 
 def assigned(folder: Path, w: int) -> dict[str, object]:
+    """What worker ``w`` of the sweep's one array runs (workers/<array>_<w>.json)."""
     try:
-        data: dict[str, object] = json.loads((folder / "workers" / f"{w}.json").read_text())
+        (path,) = (folder / "workers").glob(f"*_{w}.json")
+        data: dict[str, object] = json.loads(path.read_text())
         return data
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # not there yet (a ValueError too: no file to unpack)
         return {}
 
 

@@ -42,7 +42,7 @@ def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, work: 
         'ask=0; worker_py next "$sweep" || ask=$?',
         "if (( ask == 3 )); then echo \"worker $worker: the study has all its trials\" >&2; exit 0; fi",
         'if (( ask )); then exit "$ask"; fi',
-        'source "$sweep/workers/$worker.sh"  # the trial\'s RUN_DIR, and its arguments as "$@"',
+        'source "$sweep/workers/$task.sh"  # the trial\'s RUN_DIR, and its arguments as "$@"',
         'rm -f "$RUN_DIR/requeue.json"  # only this attempt\'s marker may count',
         "job_event job_start",
         'echo "attempt ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID:-0} starts on ${SLURM_JOB_NODELIST:-?}" >&2',
@@ -63,10 +63,11 @@ def worker_script(p: Profile, python: str, sweep_dir: Path, workers: int, work: 
     lines = [
         "#!/bin/bash", f"# {origin}", *directives(p, sweep_dir, workers), "set -euo pipefail", "", *environment(p),
         f"sweep={shlex.quote(str(sweep_dir))} worker=${{SLURM_ARRAY_TASK_ID:-0}}",
+        "task=${SLURM_ARRAY_JOB_ID:-local}_$worker  # its files under workers/ (worker.task_name): this array's own",
         f'worker_py() {{ {shlex.quote(python)} -m cluster.sweeps.worker "$@"; }}  # asks and tells the study',
-        # The worker's own folder holds the doctor's records; each trial's RUN_DIR is its own (workers/<w>.sh).
+        # The worker's own folder holds the doctor's records; each trial's RUN_DIR is its own (workers/<task>.sh).
         "unset RUN_DIR  # never the submitting shell's: each trial's comes from the study",
-        *run_dir_lines('"$sweep/workers/$worker"', p.signal, p.signal_grace_s, start=False),
+        *run_dir_lines('"$sweep/workers/$task"', p.signal, p.signal_grace_s, start=False),
         "",
         *flight_recorder(p, "$sweep/logs"),
         *doctor_step(p, doctor, host),

@@ -1,8 +1,9 @@
 """A sweep's worker: one array task running trials one after another until the study has its ``trials``.
 
 The worker's batch script (cluster/sweeps/script.py) calls, in the batch shell:
-``next``  re-attach to this worker's RUNNING trial (after a requeue), or ask the study for one; write
-          ``workers/<w>.sh`` (the trial's RUN_DIR and arguments) and ``workers/<w>.json`` (which trial it runs);
+``next``  re-attach to this worker's RUNNING trial (after a requeue; in a RESUME's array, the one its index ran in an
+          array Slurm no longer lists), or ask the study for one; write ``workers/<array>_<w>.sh`` (the trial's
+          RUN_DIR and arguments) and ``workers/<array>_<w>.json`` (which trial it runs, the trials it ran);
 ``relay`` while the trial trains: its intermediate values (``reports.jsonl``, written by ``Session.report``) into the
           study, each step once, and the pruner's answer back (``pruning.json``, read by ``Session.should_prune``);
 ``end``   after the verdict: tell the study complete, pruned or failed, or (requeued) leave the trial RUNNING.
@@ -25,7 +26,7 @@ from typing import Any
 from cluster.job import ledger
 from cluster.sweeps import study as studies
 from cluster.sweeps.folder import SweepFile, log_path
-from cluster.sweeps.lost import fail_lost
+from cluster.sweeps.lost import fail_lost, squeue_states
 from cluster.sweeps.spec import SweepSpec, trial_args
 from trainer.core.events import read as read_events
 from trainer.core.exits import attempt_id
@@ -42,9 +43,15 @@ def record_of(sweep_dir: Path) -> SweepFile:
     return SweepFile.read(sweep_dir)
 
 
+def task_name(worker: int) -> str:
+    """This array task's name for its files under ``workers/`` (the batch script's ``$task``): a RESUME's array reuses
+    the indexes 0…n-1, and its tasks must neither overwrite the old array's files nor inherit their failures."""
+    return f"{os.environ.get('SLURM_ARRAY_JOB_ID') or 'local'}_{worker}"
+
+
 def _mine(sweep_dir: Path, worker: int) -> dict[str, Any]:
     try:
-        data: dict[str, Any] = json.loads((sweep_dir / "workers" / f"{worker}.json").read_text())
+        data: dict[str, Any] = json.loads((sweep_dir / "workers" / f"{task_name(worker)}.json").read_text())
         return data
     except (OSError, ValueError):
         return {"worker": worker, "trial": None, "history": []}
@@ -83,8 +90,9 @@ def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial:
     lines = [f"export RUN_DIR={shlex.quote(str(run_dir))} TRAINER_TRIAL={shlex.quote(name)} "
              f"TRAINER_PRUNING={int(spec.pruner != 'none')}",
              f"set -- {shlex.join(args)}"]
-    (sweep_dir / "workers" / f"{worker}.sh").write_text("\n".join(lines) + "\n")
-    write_json(sweep_dir / "workers" / f"{worker}.json", {**mine, "trial": trial.number, "run_dir": str(run_dir)})
+    (sweep_dir / "workers" / f"{task_name(worker)}.sh").write_text("\n".join(lines) + "\n")
+    write_json(sweep_dir / "workers" / f"{task_name(worker)}.json",
+               {**mine, "trial": trial.number, "run_dir": str(run_dir)})
 
 
 def next_trial(sweep_dir: Path, worker: int) -> int:
@@ -94,18 +102,17 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
     with _lock(sweep_dir / "workers"):
         trials = studies.open_trials(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
         study = trials.study
-        if mine.get("trial") is not None:
-            trial = trials.frozen(mine["trial"])
-            if trial.state.name == "RUNNING":
-                # A RESUME's array runs it now: its attributes name this task, or fail_lost would take it for lost.
-                for k, v in _owner(worker).items():
-                    if trial.user_attrs.get(k) != v:
-                        trials.set_attr(trial.number, k, v)
-                _write_assignment(sweep_dir, worker, mine, trials.live(mine["trial"]), spec, record)
-                _record(sweep_dir, worker, record, trial.number, trial.params)  # a RESUME's array holds it now
-                print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
-                      f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
-                return 0
+        trial = _held(trials, mine, worker)
+        if trial is not None:
+            # A RESUME's array runs it now: its attributes name this task, or fail_lost would take it for lost.
+            for k, v in _owner(worker).items():
+                if trial.user_attrs.get(k) != v:
+                    trials.set_attr(trial.number, k, v)
+            _write_assignment(sweep_dir, worker, mine, trials.live(trial.number), spec, record)
+            _record(sweep_dir, worker, record, trial.number, trial.params)  # a RESUME's array holds it now
+            print(f"worker {worker}: re-attached to trial {trial.number} {_values(trial.params)} (it resumes from its "
+                  f"checkpoint; {len(trial.intermediate_values)} step(s) reported)", file=sys.stderr)
+            return 0
         fail_lost(trials, retry=True)
         recent = [h["state"] for h in mine["history"][-FAILURES_IN_A_ROW:]]
         if len(recent) == FAILURES_IN_A_ROW and set(recent) == {"FAIL"}:
@@ -124,6 +131,21 @@ def next_trial(sweep_dir: Path, worker: int) -> int:
     _record(sweep_dir, worker, record, trial.number, trial.params)
     print(f"worker {worker}: trial {trial.number} {_values(trial.params)}", file=sys.stderr)
     return 0
+
+
+def _held(trials: studies.Trials, mine: dict[str, Any], worker: int) -> Any:
+    """The RUNNING trial this task goes on with: its own after a requeue or, in a RESUME's array, the one its index
+    ran in an array Slurm no longer lists; never one whose worker lives (two jobs would train it in one folder)."""
+    if mine.get("trial") is not None:
+        trial = trials.frozen(mine["trial"])
+        return trial if trial.state.name == "RUNNING" else None
+    here = os.environ.get("SLURM_ARRAY_JOB_ID", "")
+    left = [t for t in trials.study.get_trials(deepcopy=False) if t.state.name == "RUNNING"
+            and t.user_attrs.get("worker") == worker and str(t.user_attrs.get("array") or here) != here]
+    alive = squeue_states(sorted({str(t.user_attrs["array"]) for t in left})) if left else None
+    if alive is None:  # none left, or squeue cannot answer: nothing may be concluded
+        return None
+    return next((t for t in left if (str(t.user_attrs["array"]), worker) not in alive), None)
 
 
 def _owner(worker: int) -> dict[str, Any]:
@@ -236,7 +258,7 @@ def end(sweep_dir: Path, worker: int, rc: int) -> int:
         print(f"worker {worker}: trial {number} was already ended in the study ({exc})", file=sys.stderr)
     shown = f"{spec.metric} {value:.6g}" if value is not None else why
     print(f"worker {worker}: trial {number} {state.lower()}: {shown}", file=sys.stderr)
-    write_json(sweep_dir / "workers" / f"{worker}.json",
+    write_json(sweep_dir / "workers" / f"{task_name(worker)}.json",
                {**mine, "trial": None, "history": [*mine["history"], {"trial": number, "state": state}]})
     return 0
 
