@@ -38,13 +38,20 @@ def _events(run: Path, lines: list[dict[str, object]]) -> None:
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
 
 
-def test_interruptions_and_stalls_come_from_the_run_history(tmp_path: Path) -> None:
-    """Two attempts killed without a word (no exit event), one preempted with a save: two interruptions count."""
+@pytest.mark.parametrize("batch", [False, True])
+def test_interruptions_and_stalls_come_from_the_run_history(tmp_path: Path, batch: bool) -> None:
+    """Two attempts killed without a word (no exit event), one preempted with a save: two interruptions count. Under
+    a batch script each start's ``job_start`` comes first, the one now starting's too: not an interruption."""
+    def start(t: float) -> list[dict[str, object]]:
+        return [{"t": t, "event": "job_start", "job_id": "7"}] if batch else []
+
     _events(tmp_path, [
-        {"t": 0.0, "event": "attempt", "started": 0.0}, {"t": 100.0, "event": "checkpoint", "stall_s": 3.0},
-        {"t": 200.0, "event": "attempt", "started": 200.0}, {"t": 300.0, "event": "checkpoint", "stall_s": 5.0},
-        {"t": 400.0, "event": "attempt", "started": 400.0}, {"t": 500.0, "event": "exit", "code": 75},
-    ])  # the attempt now starting has written nothing yet
+        *start(0.0), {"t": 0.0, "event": "attempt", "started": 0.0}, {"t": 100.0, "event": "checkpoint", "stall_s": 3.0},
+        *start(200.0), {"t": 200.0, "event": "attempt", "started": 200.0},
+        {"t": 300.0, "event": "checkpoint", "stall_s": 5.0},
+        *start(400.0), {"t": 400.0, "event": "attempt", "started": 400.0}, {"t": 500.0, "event": "exit", "code": 75},
+        *start(600.0),
+    ])  # the attempt now starting has written nothing yet (but its batch script's start)
     ran, lost, stalls = history(tmp_path)
     assert (ran, lost, stalls) == (300.0, 2, [3.0, 5.0])
     c = Cadence(tmp_path, nodes=4, prior_hours=8)

@@ -159,6 +159,38 @@ def test_without_matplotlib_the_report_is_the_table(tmp_path: Path, monkeypatch:
     assert "<table>" in path.read_text() and "data:image" not in path.read_text()
 
 
+def test_a_start_that_died_before_its_session_opened_is_an_attempt_of_its_own(tmp_path: Path) -> None:
+    """Requeued onto a bad node, the second start died before the session opened (no ``attempt`` event): its batch
+    events went to the first attempt, which then counted 911 s of training and the failure, and goodput read 96 %.
+    And an attempt killed in its restore (nothing after its ``attempt`` event) lasts until that event at least."""
+    events = [{"t": 100.0, "event": "job_start", "job_id": "7", "restart": 0, "nodes": 2},
+              {"t": 110.0, "event": "attempt", "started": 105.0, "job_id": "7", "attempt": "0", "nodes": 2,
+               "resumed_step": 0},
+              {"t": 120.0, "event": "first_step", "step": 1},
+              {"t": 200.0, "event": "checkpoint", "step": 50, "stall_s": 1.0},
+              {"t": 201.0, "event": "exit", "code": 75, "step": 50},
+              {"t": 203.0, "event": "attempt_end", "job_id": "7", "attempt": "0", "class": "preempted",
+               "decision": "requeue"},
+              {"t": 1000.0, "event": "job_start", "job_id": "7", "restart": 1, "nodes": 2},
+              {"t": 1030.0, "event": "job_end", "job_id": "7", "code": 1},
+              {"t": 1031.0, "event": "attempt_end", "job_id": "7", "attempt": "1", "class": "infrastructure",
+               "cause": "node n3: CUDA error", "decision": "requeue"},
+              {"t": 2000.0, "event": "job_start", "job_id": "7", "restart": 2, "nodes": 2},
+              {"t": 2010.0, "event": "attempt", "started": 2005.0, "job_id": "7", "attempt": "2", "nodes": 2,
+               "resumed_step": 50},
+              {"t": 2020.0, "event": "first_step", "step": 51},
+              {"t": 2100.0, "event": "exit", "code": 0, "step": 100},
+              {"t": 3000.0, "event": "job_start", "job_id": "8", "restart": 0, "nodes": 1},  # killed in its restore
+              {"t": 3300.0, "event": "attempt", "started": 3001.0, "job_id": "8", "attempt": "0", "nodes": 1,
+               "resumed_step": 100}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    f = figures(attempts(tmp_path))
+    assert [(r["exit"], r["ended"], r["allocated_s"], r["training_s"], r["lost_steps"]) for r in f["attempts"]] == [
+        (75, "preempted", 103.0, 83.0, 0), (1, "infrastructure", 31.0, 0.0, 0), (0, None, 100.0, 80.0, 0),
+        ("killed", None, 300.0, 0.0, 0)]
+    assert f["goodput"] == pytest.approx((82.0 + 80.0) * 2 / ((103.0 + 31.0 + 100.0) * 2 + 300.0))
+
+
 def test_a_recovery_in_place_is_an_attempt_of_the_report_and_of_status(tmp_path: Path) -> None:
     """A regroup (Session.regroup) is the next attempt inside its allocation (``0`` → ``0.1``, no process started):
     the report gives it a row and a line broken down by phase, `cluster status` a line, and the attempt it ended

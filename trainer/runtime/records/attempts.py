@@ -48,8 +48,8 @@ class Attempt:
 
     @property
     def end(self) -> float:
-        """The exit event's time, or the last event's (an attempt killed without one)."""
-        return max([self.start, *(e["t"] for e in self.events)])
+        """The exit event's time, or the last event's (an attempt killed without one; its own start event at least)."""
+        return max([self.start, float(self.info.get("t", self.start)), *(e["t"] for e in self.events)])
 
     @property
     def exit_code(self) -> Any:
@@ -79,21 +79,23 @@ class Attempt:
 
 
 def attempts(run_dir: Path) -> list[Attempt]:
-    """The run's attempts in order, each with its events: the session's (``attempt``), or for a command that does
-    not use it, the batch script's (``job_start``/``job_end``). An attempt starts when its batch script did, if known."""
-    events = list(read(run_dir))
-    session = any(e["event"] == "attempt" for e in events)
+    """The run's attempts in order, each with its events: the session's (``attempt``), or the batch script's
+    (``job_start``/``job_end``) for a command that does not use it and for a start that died before its session
+    opened (a bad node, an import error). An attempt starts when its batch script did, if known."""
     out: list[Attempt] = []
-    batch_start: float | None = None
-    for e in events:
+    batch: Attempt | None = None
+    """The batch start whose session has not opened (yet): its ``attempt`` event, if one comes, completes it."""
+    for e in read(run_dir):
         if e["event"] == "job_start":
-            batch_start = e["t"]
-            if not session:
-                out.append(Attempt(e["t"], {**e, "resumed_step": None}, batch_start=e["t"]))
+            batch = Attempt(e["t"], {**e, "resumed_step": None}, batch_start=e["t"])
+            out.append(batch)
         elif e["event"] == "attempt":
             started = float(e.get("started", e["t"]))
-            out.append(Attempt(min(started, batch_start) if batch_start else started, e, batch_start=batch_start))
-            batch_start = None
+            if batch is None:  # no batch script (a local run), or a recovery in place inside the same batch
+                out.append(Attempt(started, e))
+            else:
+                out[-1] = Attempt(min(started, batch.start), e, batch.events, batch_start=batch.start)
+            batch = None
         elif out:
             out[-1].events.append(e)
     return out
@@ -109,8 +111,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
         training = (a.end - a.first_step_t) if a.first_step_t else 0.0
         done = a.last_step - int(a.info.get("resumed_step") or 0)
         step_s = training / done if done > 0 else 0.0
-        resumed_next = int(runs[i + 1].info.get("resumed_step") or 0) if i + 1 < len(runs) else a.last_step
-        lost = max(0, a.last_step - resumed_next)
+        lost = max(0, a.last_step - _resumed_after(runs, i))
         useful = max(0.0, training - a.stall_s - lost * step_s)
         alloc += allocated * nodes
         productive += useful * nodes
@@ -122,7 +123,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "nodes": nodes, "processes": a.info.get("processes"), "resumed_step": a.info.get("resumed_step"),
                      "last_step": a.last_step, "exit": code, "allocated_s": allocated, "startup_s": startup,
                      "training_s": training, "stall_s": a.stall_s, "lost_steps": lost, "lost_s": lost * step_s,
-                     "productive_s": useful, "gap_before_s": a.start - runs[i - 1].end if i else 0.0,
+                     "productive_s": useful, "gap_before_s": max(0.0, a.start - runs[i - 1].end) if i else 0.0,
                      "ended": ended, "cause": cause,
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
@@ -130,6 +131,13 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
             "audits": audit_lines(runs), "startup": startup_lines(runs[:1]),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
+
+
+def _resumed_after(runs: list[Attempt], i: int) -> int:
+    """The step the next attempt that opened a session resumed from (starts that died before theirs resumed
+    nothing); attempt ``i``'s own last step when none did (nothing of it was computed again)."""
+    later = [int(b.info.get("resumed_step") or 0) for b in runs[i + 1:] if b.info.get("event") == "attempt"]
+    return later[0] if later else runs[i].last_step
 
 
 def recovery(rows: list[dict[str, Any]]) -> dict[str, float]:

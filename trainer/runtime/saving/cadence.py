@@ -49,6 +49,8 @@ def history(run_dir: Path) -> tuple[float, int, list[float]]:
     """From a run's event log, before this attempt writes to it: (seconds its earlier attempts ran, how many ended
     unannounced, their save stalls)."""
     runs = attempts(run_dir)
+    if runs and runs[-1].info.get("event") == "job_start" and not runs[-1].events:
+        runs.pop()  # this attempt's own batch start: it has not ended, let alone unannounced
     ran = sum(a.end - a.start for a in runs)
     lost = sum(1 for a in runs if a.exit_code == "killed" or a.verdict.get("class") == "infrastructure")
     stalls = [float(e["stall_s"]) for a in runs for e in a.times("checkpoint") if "stall_s" in e]
