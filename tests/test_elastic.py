@@ -261,7 +261,7 @@ def test_bad_loader_arguments_are_refused_with_the_reason() -> None:
     data = torch.utils.data.TensorDataset(torch.arange(50))
     with pytest.raises(UserError, match="more than the 50 samples"):
         Loader(data, env_of(0, 1), 4, 3, plan(64, 1, 4))
-    with pytest.raises(ValueError, match="drop_last cannot be set with global_batch_size"):
+    with pytest.raises(UserError, match=r"Session.loader\(drop_last=…\): cannot be set with global_batch_size"):
         Loader(data, env_of(0, 1), 4, 3, plan(12, 1, 4), drop_last=True)
 
     class Stream(torch.utils.data.IterableDataset[int]):

@@ -235,12 +235,13 @@ def test_what_a_checkpoint_could_not_load_back_is_refused_when_saving() -> None:
     import numpy as np
     import pytest
 
+    from trainer.core.errors import UserError
     from trainer.runtime.session import check_plain
 
     check_plain({"seen": 3, "best": 0.5, "tags": ["a"], "w": torch.ones(2), "none": None}, "notes")
-    with pytest.raises(TypeError, match=r"notes\['best'\] is a numpy.float64: checkpoints hold tensors"):
+    with pytest.raises(UserError, match=r"notes\['best'\]: a numpy.float64: checkpoints hold tensors"):
         check_plain({"best": np.float64(0.5)}, "notes")
-    with pytest.raises(TypeError, match=r"notes\['dir'\] is a pathlib.PosixPath"):
+    with pytest.raises(UserError, match=r"notes\['dir'\]: a pathlib.PosixPath"):
         check_plain({"dir": Path("/x")}, "notes")
 
 
@@ -276,7 +277,7 @@ def main() -> int:
         sess.log({"before_restore": 1.0}, 0)  # no run folder yet: printed, nothing else
         try:
             sess.save(1)
-        except RuntimeError as exc:
+        except trainer.UserError as exc:
             print("save before restore:", exc)
         model = sess.wrap(torch.nn.Linear(2, 1))
         gen = torch.Generator().manual_seed(1)  # the user's own generator, no wrapper of their own
@@ -302,7 +303,7 @@ def test_session_lifecycle_leaves_nothing_behind_and_a_generator_resumes_under_p
     ref = ok(run_trainer(["tracking.mode=disabled", "run.report=false", f"run.dir={tmp_path / 'ref'}"], tmp_path, script=script))
     assert "signal only works in main thread" in ref.stdout and "group left: False" in ref.stdout, ref.stdout
     assert "rank 0 of 1 main True" in ref.stdout and "step 0: before_restore 1" in ref.stdout
-    assert "save before restore: call Session.restore(...) first" in ref.stdout
+    assert "save before restore: Session.restore: not called yet" in ref.stdout
     whole = eval(ref.stdout.split("draws ")[1].splitlines()[0])  # six draws of the user's generator
     run = [f"run.dir={tmp_path / 'run'}", "tracking.mode=disabled", "run.report=false", "checkpoint.poll_steps=1"]
     first = ok(run_trainer(run, tmp_path, script=script, env=faults(preempt_at_step=2)), code=75)

@@ -118,9 +118,6 @@ class Trainer:
         self._plan_steps()
         if sess.resumed:
             notes(cfg, sess.env, sess.resumed.state, self.record)
-            if data.iterable and not extra:
-                why = "is read by worker processes" if stateful else "has no state_dict/load_state_dict"
-                sess.print(f"note: the iterable data set {why}: its stream starts again from the beginning")
         self.net = torch.compile(self.net) if cfg.train.compile else self.net  # type: ignore[assignment]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

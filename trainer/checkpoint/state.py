@@ -76,8 +76,8 @@ def load_into(obj: Any, state: Any) -> None:
 
 
 def check_plain(value: Any, where: str) -> None:
-    """Raise when ``value`` holds something a checkpoint cannot load back safely (torch.load(weights_only=True)):
-    found at save time, not when a requeued job would fail to resume."""
+    """Refuse (a UserError naming ``where``) a ``value`` holding something a checkpoint cannot load back safely
+    (torch.load(weights_only=True)): found at save time, not when a requeued job would fail to resume."""
     if isinstance(value, dict):
         for k, v in value.items():
             check_plain(k, where)
@@ -86,8 +86,8 @@ def check_plain(value: Any, where: str) -> None:
         for i, v in enumerate(value):
             check_plain(v, f"{where}[{i}]")
     elif type(value) not in PLAIN and not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}: checkpoints hold tensors, "
-                        "numbers, strings, None and lists/dicts of them (convert it, e.g. float(x), str(path))")
+        raise UserError(where, f"a {type(value).__module__}.{type(value).__qualname__}: checkpoints hold tensors, "
+                        "numbers, strings, None and lists/dicts of them", "convert it, e.g. float(x), str(path)")
 
 
 def is_sharded_object(obj: Any) -> bool:
@@ -174,8 +174,10 @@ def _ranks(first: int, last: int) -> str:
 def _misfit(resumed: Resumed, state: dict[str, Any], name: str, exc: BaseException) -> None:
     was = state.get("meta", {}).get("plugins", {}).get(name)
     saved_from = f"; it was saved from {was['target']} {was['kwargs']}" if was else ""
+    said = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    detail = " ".join(said[:3])  # torch's first line names the model; the next ones the missing and unexpected keys
     raise UserError("checkpoint.resume", f"{resumed.path} does not fit {name!r} "
-                    f"({(str(exc).splitlines() or [type(exc).__name__])[0]}){saved_from}",
+                    f"({detail[:400]}){saved_from}",
                     "resume with what it was trained with, or start afresh: checkpoint.resume=never "
                     "or another run.dir") from None
 

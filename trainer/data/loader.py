@@ -98,13 +98,18 @@ class Loader:
         if self.iterable:
             self.loader = DataLoader(dataset, batch_size=self.batch_size, **kwargs)
             return
+        for key in ("sampler", "batch_sampler"):
+            if key in kwargs:
+                raise UserError(f"Session.loader({key}=…)", "would replace the sampler an exact resume needs",
+                                "leave it out: the loader orders each epoch by (seed, epoch); shuffle=False keeps "
+                                "the set's own order")
         if isinstance(dataset, Shards):
             self.plan = plan or BatchPlan(cap * world, world, cap, 1)
             self.sampler = StreamSampler(dataset, self.plan, self.rank, self.seed)
             batches: Any = self._batched(self.sampler, kwargs)
         elif plan is None:
-            self.sampler = ResumableSampler(dataset, self.env, self.seed)
             kwargs = dict(kwargs)
+            self.sampler = ResumableSampler(dataset, self.env, self.seed, bool(kwargs.pop("shuffle", True)))
             self.drop_last = bool(kwargs.pop("drop_last", False))
             batches = BatchSampler(self.sampler, cap, drop_last=self.drop_last)
         else:
@@ -117,10 +122,11 @@ class Loader:
         self.loader = DataLoader(dataset, batch_sampler=batches, **kwargs)
 
     def _batched(self, sampler: GlobalBatchSampler | StreamSampler, kwargs: dict[str, Any]) -> Any:
-        for key in ("shuffle", "drop_last", "sampler", "batch_sampler"):
+        for key in ("shuffle", "drop_last"):
             if key in kwargs:  # the global batch decides these: a user's choice would silently be another run
-                raise ValueError(f"loader(): {key} cannot be set with global_batch_size or a sharded set: the "
-                                 "sampler orders by (seed, epoch) and drops the last partial global batch")
+                raise UserError(f"Session.loader({key}=…)", "cannot be set with global_batch_size or a sharded set",
+                                "leave it out: the sampler orders by (seed, epoch) and drops the last partial global "
+                                "batch")
         if not sampler.steps_per_epoch:
             assert self.plan is not None
             raise UserError("data.global_batch_size", f"{self.plan.global_batch} samples per step are more than the "

@@ -22,8 +22,8 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
     sees exactly the batches the uninterrupted run would have seen.
     """
 
-    def __init__(self, dataset: Dataset[Any], env: DistEnv, seed: int) -> None:
-        super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    def __init__(self, dataset: Dataset[Any], env: DistEnv, seed: int, shuffle: bool = True) -> None:
+        super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed)
         self.skip = 0
 
     def start_epoch(self, epoch: int, skip_samples: int = 0) -> None:

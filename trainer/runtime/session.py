@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.checkpoint import sharded_format
 from trainer.checkpoint.base import Checkpointer
 from trainer.checkpoint.resume import Resumed
-from trainer.checkpoint.state import STATE_VERSION, PerRank, check_names, check_plain, collect, own_fields
+from trainer.checkpoint.state import STATE_VERSION, PerRank, check_plain, collect, own_fields
 from trainer.core import dist as tdist
 from trainer.core import exits, hooks
 from trainer.core.config import load, to_dict, to_yaml
@@ -44,7 +44,7 @@ from trainer.core.regroup import Grow
 from trainer.core.schema import Config
 from trainer.data.loader import Loader, eval_loader, loader_kwargs, train_loader
 from trainer.data.workers import shutdown_workers, start_workers
-from trainer.runtime import compile_cache, ddp_group
+from trainer.runtime import compile_cache, ddp_group, usage
 from trainer.runtime.buckets import prime_when_resumed
 from trainer.runtime.fsdp import eval_batches, no_sync, shard
 from trainer.runtime.health.heartbeat import Heartbeat
@@ -54,6 +54,7 @@ from trainer.runtime.records.tracking import Tracker
 from trainer.runtime.recovery import Marks, join, recover, take_over
 from trainer.runtime.saving.saves import Saves
 from trainer.runtime.saving.signals import Preemption, saving_signals
+from trainer.runtime.usage import opened as _opened
 from trainer.testing import faults
 
 __all__ = ["STATE_VERSION", "PerRank", "Session", "check_plain"]
@@ -65,6 +66,7 @@ class Session:
         opened = time.time()  # the interpreter, the imports and the user's code before the session end here
         self.cfg = config if isinstance(config, Config) else load(list(config or []))
         self.extra_config = dict(extra_config or {})
+        check_plain(self.extra_config, "Session(extra_config=…)")  # in every checkpoint: it must load back
         self.config_dict = to_dict(self.cfg)
         self.env = discover()
         faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
@@ -95,9 +97,10 @@ class Session:
         self.resumed: Resumed | None = None
         """The checkpoint this run continued from (its path and state), after ``restore``."""
         self.step = 0
-        """The last step ``steps`` handed out (or ``restore`` returned)."""
+        """The last step ``steps`` handed out, ``should_save`` or ``save`` was given (or ``restore`` returned)."""
         self.steps_here = 0
         """Steps this process finished."""
+        self.ended = False  # finish ran (else close warns: a loop that trained left no final checkpoint nor result)
         self.preempted_by: signal.Signals | None = None
         self.deadline = False
         """The job's time limit was near (no signal came in time): saved, and ``finish`` asks for a requeue."""
@@ -153,6 +156,7 @@ class Session:
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device inside DDP, or with ``dist.strategy=fsdp`` sharded in place with FSDP2
         (blocks from ``model.fsdp_blocks()`` or found; returned as is); unwrapped in one process. Optimizer after."""
+        usage.check_wrap(model)
         self.model = model.to(self.device)
         if self.env.world_size == 1:  # nothing to reduce or shard; DDP's constructor alone imports torch._dynamo (1-3 s)
             return self.model  # (checkpoints keep their format)
@@ -178,6 +182,7 @@ class Session:
         number of processes; without one, a job that may change size (a node range) keeps its first attempt's
         (``batch_size`` × ``accumulation`` × processes). Step every ``loader.accumulation`` micro-batches, read after
         ``restore``."""
+        usage.check_loader(self.parts is not None)
         seed = self.cfg.train.seed
         made = train_loader(dataset, self.env, batch_size, global_batch_size, seed, self.print, accumulation,
                             self.job.resizable,
@@ -202,7 +207,7 @@ class Session:
     def restore(self, **objects: Any) -> int:
         """Open the run folder, load the newest complete checkpoint into ``objects`` (state_dict holders, dicts, a
         PerRank) and return the step to continue from (0 on a fresh run)."""
-        check_names(objects)
+        usage.check_restore(objects, self.model, self.loaders, self.env.world_size, self.parts is not None)
         self.objects, setup = objects, self._setup()
         if self.job.spare is not None and self.membership:  # a spare taking a lost rank's place: from the others
             self.step, self.parts, self.marks = take_over(setup, self.model, objects, self.wrapper)
@@ -218,9 +223,7 @@ class Session:
                                                                  cpu_threads=torch.get_num_threads(), marks=self.opened,
                                                                  **p.restored.facts))
         p.saves.say_cadence()  # after the attempt event: the report files it under this attempt
-        if self.resumed:
-            held = " (a snapshot in node memory)" if self.resumed.memory else ""
-            self.print(f"resumed from {self.resumed.path}{held} at step {self.step}")
+        usage.say_resumed(self.print, self.resumed, self.step, objects)
         start_workers(*self.loaders)  # now, before the loop's threads (trainer.data.workers)
         self.marks = Marks(objects, self.step) if self.membership else None
         return self.step
@@ -270,7 +273,7 @@ class Session:
     def log(self, metrics: Mapping[str, Any], step: int, console: bool = True) -> None:
         """Record metrics at ``step``: W&B and (``console``) one printed line, on rank 0. Tensors are read here, a
         sync with the device: log every few steps, not each."""
-        values = {k: float(v) for k, v in metrics.items()}
+        values = usage.metric_values(metrics)
         if console:
             self.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
         if self.parts is not None:  # logging before restore prints only
@@ -295,7 +298,7 @@ class Session:
         """Whether to save now: a preemption signal or the job's time limit near (both then leave the loop:
         ``preempted``), ``checkpoint.every_steps``, ``every_minutes``, the auto cadence or a save-now file; agreed
         across ranks every ``checkpoint.poll_steps`` steps. Every rank must call it at the same steps."""
-        p = _opened(self.parts)
+        p, self.step = _opened(self.parts), max(self.step, step)  # a loop of its own, without steps(), says it here
         self.request_stop(hooks.current().step_end(self.steps_here + 1, self.origin, self.job.warning_signal or
                                                    "SIGUSR2", p.run.path, p.heartbeat.alive,
                                                    lambda: bool(self.preemption.signum)))
@@ -325,7 +328,7 @@ class Session:
 
     def save(self, step: int, blocking: bool | None = None) -> Path:
         """Collective: checkpoint every restored object at ``step`` (async per checkpoint.async_save, not when preempted)."""
-        p = _opened(self.parts)
+        p, self.step = _opened(self.parts), max(self.step, step)
         if not p.group.audit.agree(step):  # never save a state the replicas dispute
             return self.last_path or p.run.checkpoints
         if blocking is None:
@@ -344,7 +347,7 @@ class Session:
     def finish(self, result: Mapping[str, Any] | None = None) -> int:
         """End the run: the final save (unless the last one holds this step), ``result.json`` with ``result`` added,
         and the exit code: 0, or 75 after a preemption save (with a requeue marker for launchers that cannot see it)."""
-        p = _opened(self.parts)
+        p, self.ended = _opened(self.parts), True
         self.heartbeat.stop()
         self.checkpointer.wait_all()
         if self.saves.saved_step != self.step:
@@ -369,6 +372,8 @@ class Session:
     def close(self, exit_code: int = 0) -> None:
         """Stop the watchdog, wait for a background save, close W&B, put the signal handlers back, leave the group."""
         try:
+            if self.parts is not None and not self.ended and not exit_code and self.step > self.parts.restored.step:
+                self.print("warning: closed without finish(): no final checkpoint nor result.json (return sess.finish())")
             if self.parts is not None:
                 close_parts(self.parts, exit_code)
         finally:
@@ -390,11 +395,4 @@ class Session:
             if exc is not None:  # the loop raised: the report shows how the attempt ended
                 exits.raised(exc, self.origin, self.step, self.events.emit)
             self.close(exit_code=0 if kind is None else 1)
-
-
-def _opened(parts: Parts | None) -> Parts:
-    """The run's parts, once ``restore`` has opened the run folder."""
-    if parts is None:
-        raise RuntimeError("call Session.restore(...) first: it opens the run folder and loads the checkpoint")
-    return parts
 
