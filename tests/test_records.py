@@ -58,6 +58,10 @@ def test_a_sweep_file_of_an_earlier_layout(tmp_path: Path) -> None:
     shutil.copy(STORED / "v0-sweep.json", tmp_path / "sweep.json")
     sweep = SweepFile.read(tmp_path)
     assert sweep.arrays == ("31", "35") and sweep.target == 10 and sweep.spec["method"] == "tpe"
+    # Typed for its readers (workers, status, report): an earlier layout's missing keys take their defaults (sweep-status
+    # died on KeyError 'pruner'), a newer version's unknown ones are left out (a TypeError in every worker).
+    assert (sweep.settings.method, sweep.settings.pruner, sweep.settings.max_parallel) == ("tpe", "none", 2)
+    assert sweep.but(spec={**sweep.spec, "early_stop": 3}).settings.metric == "test_accuracy"
     sweep.but(target=12).write(tmp_path)
     back = json.loads((tmp_path / "sweep.json").read_text())
     assert back["arrays"] == ["31", "35"] and back["target"] == 12 and back["submitted_at"].startswith("2026-11-25")

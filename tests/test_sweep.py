@@ -510,6 +510,61 @@ def test_sweep_status_fails_a_lost_trial_and_retries_it_only_while_a_worker_live
     assert {r.index: r.state for r in rows}[lost] == "failed"
 
 
+def test_two_status_pages_judging_one_lost_trial_at_once_fail_it_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    """`make sweep WAIT=1` asks every 5 s, a worker asks too: both find worker 1's trial lost at the same moment (the
+    fake squeue answers neither until both asked). The second to fail it died with UpdateFinishedTrialError (a
+    worker's array task ended with it); now it leaves the trial to the first, and one retry is enqueued."""
+    import threading
+
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, 1)
+    assert worker.next_trial(folder, 1) == 0
+    lost_trial = assignment(folder, 1)[0]
+    for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(var)
+    squeue.write_text("900_0|PENDING\n")  # worker 1 is gone, worker 0 lives to take the retry
+    asked = tmp_path / "asked"
+    asked.mkdir()
+    (tmp_path / "bin" / "squeue").write_text(
+        f"#!/bin/sh\ntouch {shlex.quote(str(asked))}/$$\nwhile [ $(ls {shlex.quote(str(asked))} | wc -l) -lt 2 ]; "
+        f"do sleep 0.05; done\ncat {shlex.quote(str(squeue))}\n")
+    errors: list[BaseException] = []
+
+    def page() -> None:
+        try:
+            sweep_status.status(folder)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    pages = [threading.Thread(target=page) for _ in range(2)]
+    for t in pages:
+        t.start()
+    for t in pages:
+        t.join(timeout=120)
+    assert not errors, errors
+    study = studies.open_study(worker.record_of(folder), folder)
+    assert study.trials[lost_trial].state.name == "FAIL"
+    assert [t.user_attrs.get("retry_of") for t in study.trials].count(lost_trial) == 1
+
+
+@pytest.mark.parametrize("line", ["0.85", "[1, 2]", '{"step": 3, "values": 5}', '{"step": true, "value": 0.5}',
+                                  '{"step": 4, "value": "high"}', '"text"'])
+def test_a_report_line_of_any_other_shape_is_skipped_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               squeue: Path, line: str) -> None:
+    """A command writes reports.jsonl itself: a line that is JSON but not a report killed the relay (each later
+    should_prune then waited a minute) and end (the trial stayed RUNNING, the worker exited)."""
+    folder = local_sweep(tmp_path, TPE + "\npruner: median\nmetric: test_accuracy")
+    be(monkeypatch, 0)
+    assert worker.next_trial(folder, 0) == 0
+    number, run_dir, _ = assignment(folder, 0)
+    (run_dir / "reports.jsonl").write_text(f'{line}\n{{"step": 10, "value": 0.5}}\n')
+    finished(run_dir, test_accuracy=0.9)
+    assert worker.end(folder, 0, 0) == 0
+    trial = studies.open_study(worker.record_of(folder), folder).trials[number]
+    assert trial.state.name == "COMPLETE" and trial.intermediate_values == {10: 0.5}
+
+
 def test_a_worker_whose_trials_keep_failing_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   squeue: Path) -> None:
     folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))
@@ -744,8 +799,8 @@ def test_trials_by_number_go_through_the_storages_public_methods(tmp_path: Path)
     first, second = study.ask(), study.ask()
     trials = Trials(optuna.load_study(study_name="s", storage=store), store)
     trials.live(second.number).report(0.5, step=3)
-    trials.set_attr(first.number, "lost", "its worker is gone")
-    trials.fail(first.number)
+    assert trials.fail(first.number, "lost", "its worker is gone")
+    assert not trials.fail(first.number, "lost", "judged again")  # ended already: left as the first judge left it
     assert trials.frozen(second.number).intermediate_values == {3: 0.5}
     got = trials.frozen(first.number)
     assert got.state == optuna.trial.TrialState.FAIL and got.user_attrs == {"lost": "its worker is gone"}

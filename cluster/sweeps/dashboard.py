@@ -17,7 +17,7 @@ def serve(sweep_dir: str | None, port: int, host: str = "127.0.0.1") -> int:
 
     folder = Path(sweep_dir) if sweep_dir else newest_sweep(Path.cwd())
     record = read_sweep(folder)
-    where = record.spec["storage"]
+    where = record.settings.storage
     print(f"optuna-dashboard for sweep {record.sweep_id} (study in {where}): http://{host}:{port}/dashboard/ "
           "(Ctrl-C stops it)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):

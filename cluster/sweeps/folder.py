@@ -7,10 +7,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.core.files import write_json
 from trainer.core.records import Typed
+
+if TYPE_CHECKING:
+    from cluster.sweeps.spec import SweepSpec
 
 SWEEP_FILE = "sweep.json"
 
@@ -47,6 +50,15 @@ class SweepFile(Typed):
         if not isinstance(data, dict):
             raise ValueError(f"{sweep_dir / SWEEP_FILE} holds no record")
         return cls.from_json({**data, "arrays": tuple(str(a) for a in data.get("arrays") or [])})
+
+    @property
+    def settings(self) -> SweepSpec:
+        """The spec it was made from, typed: a key an earlier layout lacks takes its default, one a newer version
+        added is left out (a sweep of either stays readable)."""
+        from cluster.sweeps.spec import SweepSpec
+
+        known = {f.name for f in dataclasses.fields(SweepSpec)}
+        return SweepSpec(**{k: v for k, v in self.spec.items() if k in known})
 
     def write(self, sweep_dir: Path) -> None:
         write_json(sweep_dir / SWEEP_FILE, {**self.to_json(), "arrays": list(self.arrays)})

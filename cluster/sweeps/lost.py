@@ -71,8 +71,8 @@ def fail_lost(trials: Trials, retry: bool) -> None:
         if task in alive:
             continue
         why = f"its worker (array task {task[0]}_{task[1]}) is no longer pending or running in Slurm"
-        trials.set_attr(t.number, "lost", why)
-        trials.fail(t.number)
+        if not trials.fail(t.number, "lost", why):  # another process judged it first, and enqueued its retry
+            continue
         if retry or alive:
             study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
         print(f"trial {t.number} failed: {why}" + ("; its values run again as a new trial" if retry or alive else ""),

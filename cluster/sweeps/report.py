@@ -50,7 +50,8 @@ def plots(study: Any) -> list[tuple[str, str]]:
 
 def write(sweep_dir: Path, data: SweepFile, rows: list[Row], study: Any) -> Path:
     """sweep.html in ``sweep_dir``."""
-    metric, keys = data.spec["metric"], list(data.spec["parameters"])
+    spec = data.settings
+    metric, keys = spec.metric, list(spec.parameters)
     body = []
     for r in sorted(rows, key=lambda r: r.index):
         report = r.run_dir / "report.html"
@@ -66,8 +67,8 @@ def write(sweep_dir: Path, data: SweepFile, rows: list[Row], study: Any) -> Path
     page = (f"<!doctype html><meta charset='utf-8'><title>Sweep {name}</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px}tr.pruned{color:#888}"
             "tr.failed{color:#b00}</style>"
-            f"<h1>Sweep {name}</h1><p>{html.escape(data.spec['method'])} sampler, pruner "
-            f"{html.escape(data.spec['pruner'])}; ranked by {html.escape(metric)} ({html.escape(data.spec['mode'])})"
+            f"<h1>Sweep {name}</h1><p>{html.escape(spec.method)} sampler, pruner "
+            f"{html.escape(spec.pruner)}; ranked by {html.escape(metric)} ({html.escape(spec.mode)})"
             "</p><table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in ["trial", *keys, "state", "steps", metric,
                                                                                "run report"])
             + "</tr>" + "".join(body) + "</table>" + figures)

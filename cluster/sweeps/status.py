@@ -82,14 +82,14 @@ def status(sweep_dir: Path) -> tuple[list[Row], Any]:
         run_dir = Path(t.user_attrs.get("run_dir") or sweep_dir / "trials" / str(t.number))
         rows.append(Row(t.number, dict(t.params), state, raw, value, run_dir, len(steps),
                         f"{task[0]}_{task[1]}" if task[0] else ""))
-    return sorted(rows, key=_sort_key(data.spec["mode"])), study
+    return sorted(rows, key=_sort_key(data.settings.mode)), study
 
 
 def workers_ended(data: SweepFile, seen: set[tuple[str, int]], gone: bool) -> tuple[int, int]:
     """(workers ended, workers): by Slurm's states (:func:`slurm_states`); without accounting, a worker squeue listed
     once and no longer lists has ended (squeue forgets ended jobs), and one never seen counts as ended once ``gone``."""
     arrays = list(data.arrays)
-    workers = [(a, i) for a in arrays for i in range(int(data.spec["max_parallel"]))]
+    workers = [(a, i) for a in arrays for i in range(data.settings.max_parallel)]
     states = slurm_states(arrays)
     seen |= set(states)
     ended = sum(states.get(w, "unknown") in FINISHED or (w not in states and (w in seen or gone)) for w in workers)
@@ -140,15 +140,15 @@ def finish(sweep_dir: Path, poll_s: float = 5.0) -> int:
 def format_status(sweep_dir: Path, rows: list[Row]) -> str:
     """The status table (trial, swept values, state, steps, metric, worker) and, last, the best trial's run folder."""
     data = read_sweep(sweep_dir)
-    spec = data.spec
-    metric, mode, keys = spec["metric"], spec["mode"], list(spec["parameters"])
+    spec = data.settings
+    metric, mode, keys = spec.metric, spec.mode, list(spec.parameters)
     body = [[str(r.index), *(show(r.overrides.get(k)) for k in keys), r.state, str(r.steps),
              "-" if r.value is None else f"{r.value:.4f}", r.worker or "-"] for r in rows]
     scored = [r for r in rows if r.state == "complete" and r.value is not None]
     best = (f"best: trial {scored[0].index} ({metric} {scored[0].value}, {mode}): {scored[0].run_dir}" if scored
             else f"best: none yet (no trial has completed with {metric})")
     arrays = ", ".join(data.arrays) or "(not submitted)"
-    head = (f"sweep {data.sweep_id}: {spec['method']}, pruner {spec['pruner']}, {len(rows)} of {data.target} "
+    head = (f"sweep {data.sweep_id}: {spec.method}, pruner {spec.pruner}, {len(rows)} of {data.target} "
             f"trials, workers: array {arrays}; ranked by {metric} ({mode})")
     return f"{head}\n{columns(['trial', *keys, 'state', 'steps', metric, 'worker'], body)}\n{best}"
 

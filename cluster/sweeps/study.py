@@ -146,14 +146,22 @@ class Trials:
     def set_attr(self, number: int, key: str, value: Any) -> None:
         self.storage.set_trial_user_attr(self._id(number), key, value)
 
-    def fail(self, number: int) -> None:
-        self.storage.set_trial_state_values(self._id(number), optuna_quiet().trial.TrialState.FAIL)
+    def fail(self, number: int, key: str, why: str) -> bool:
+        """Fail trial ``number`` with ``why`` under attribute ``key``; False when another process (a worker, a status
+        page) ended it first."""
+        optuna = optuna_quiet()
+        try:
+            self.set_attr(number, key, why)
+            self.storage.set_trial_state_values(self._id(number), optuna.trial.TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+        return True
 
 
 def open_trials(record: SweepFile, sweep_dir: Path, seed: int = 0) -> Trials:
     """The sweep's study and its storage, the study created on first use (``record``: sweep.json), with its sampler
     seeded by ``seed``."""
-    spec = SweepSpec(**record.spec)
+    spec = record.settings
     store = storage(connect_url(spec.storage, sweep_dir), sweep_dir)
     study = optuna_quiet().create_study(storage=store, study_name=record.study, sampler=sampler(spec, seed),
                                    pruner=pruner(spec), load_if_exists=True,

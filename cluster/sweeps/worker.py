@@ -98,7 +98,7 @@ def _write_assignment(sweep_dir: Path, worker: int, mine: dict[str, Any], trial:
 def next_trial(sweep_dir: Path, worker: int) -> int:
     """Re-attach to this worker's RUNNING trial, or ask for the next one; EXIT_DONE when the study has them all."""
     record, mine = record_of(sweep_dir), _mine(sweep_dir, worker)
-    spec = SweepSpec(**record.spec)
+    spec = record.settings
     with _lock(sweep_dir / "workers"):
         trials = studies.open_trials(record, sweep_dir, studies.seed_for(spec, worker, len(mine["history"])))
         study = trials.study
@@ -175,7 +175,7 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
     if mine.get("trial") is None:
         return 0
 
-    spec = SweepSpec(**record.spec)
+    spec = record.settings
     trials = studies.open_trials(record, sweep_dir)
     trial = trials.live(mine["trial"])
     run_dir, offset = Path(mine["run_dir"]), 0
@@ -187,8 +187,8 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
             or _mine(sweep_dir, worker).get("trial") != mine["trial"]
         offset, rows = _new_lines(run_dir / "reports.jsonl", offset)
         for row in rows:
-            step, value = row.get("step"), row["value"] if "value" in row else row.get("values", {}).get(spec.metric)
-            if not isinstance(step, int) or not isinstance(value, int | float) or not math.isfinite(value):
+            step, value = _step_value(row, spec.metric)
+            if step is None:
                 _unusable(row, spec.metric, run_dir)
                 continue
             if step not in reported:
@@ -201,10 +201,23 @@ def relay(sweep_dir: Path, worker: int, once: bool = False, poll_s: float = 1.0)
         time.sleep(poll_s)
 
 
+def _step_value(row: Any, metric: str) -> tuple[int | None, float]:
+    """A report's step and its finite value of ``metric`` (``value``, or ``values[metric]``); no step when the line
+    holds no such thing (it may be any JSON: a command writes the file itself)."""
+    values = row.get("values") if isinstance(row, dict) else None
+    value = row.get("value") if isinstance(row, dict) and "value" in row else \
+        values.get(metric) if isinstance(values, dict) else None
+    step = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(value, int | float) \
+            or isinstance(value, bool) or not math.isfinite(value):
+        return None, math.nan
+    return step, float(value)
+
+
 _SAID: set[Path] = set()
 
 
-def _unusable(row: dict[str, Any], metric: str, run_dir: Path) -> None:
+def _unusable(row: Any, metric: str, run_dir: Path) -> None:
     """Once per trial: a report the pruner cannot use (no step, or no finite value of the sweep's metric)."""
     if run_dir not in _SAID:
         _SAID.add(run_dir)
@@ -212,7 +225,7 @@ def _unusable(row: dict[str, Any], metric: str, run_dir: Path) -> None:
               f"the pruner skips it; report(step, {{'{metric}': value}}) or the value itself", file=sys.stderr)
 
 
-def _new_lines(path: Path, offset: int) -> tuple[int, list[dict[str, Any]]]:
+def _new_lines(path: Path, offset: int) -> tuple[int, list[Any]]:
     """Whole JSON lines of ``path`` after ``offset`` (a line still being written waits for the next look)."""
     try:
         with open(path, "rb") as f:
@@ -243,7 +256,7 @@ def end(sweep_dir: Path, worker: int, rc: int) -> int:
         return EXIT_REQUEUED
     relay(sweep_dir, worker, once=True)  # what the trial reported after the relay's last look
     record = record_of(sweep_dir)
-    spec = SweepSpec(**record.spec)
+    spec = record.settings
     state, value, why = _outcome(run_dir, rc, spec.metric)
     trials = studies.open_trials(record, sweep_dir)
     study = trials.study
