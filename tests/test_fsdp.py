@@ -151,6 +151,11 @@ def test_export_gives_a_plain_state_dict_for_a_fresh_unwrapped_model(tmp_path: P
     bad = warm.run([sys.executable, "-m", "trainer.export", str(tmp_path / "nothing"), str(out)],
                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path)
     assert bad.returncode == 2 and "error: RUN_DIR" in bad.stderr and "HINT:" in bad.stderr
+    for key in ("step", "nothing"):  # not an object's state (a traceback before), or not there
+        bad = warm.run([sys.executable, "-m", "trainer.export", str(run), str(out), "--key", key], capture_output=True,
+                       text=True, env=clean_env(), cwd=tmp_path)
+        assert bad.returncode == 2 and "error: --key:" in bad.stderr, bad.stderr
+        assert "HINT: choose one of the objects it holds: model, optimizer" in bad.stderr, bad.stderr
 
 
 def test_async_sharded_saves_commit_the_same_state_as_sync_ones(tmp_path: Path, every4: Path) -> None:

@@ -276,6 +276,18 @@ def test_status_shows_attempts_progress_and_the_failed_ranks_last_lines(
     assert out.rstrip().endswith("--- last lines of rank 1, attempt 1:\nrank 1 again")
 
 
+def test_a_command_status_offers_to_paste_runs_as_given_whatever_the_name(
+        book: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run named ``a'; echo x``: the logs command status printed ran ``echo x`` when pasted."""
+    import shlex
+
+    name = "a'; echo x"
+    job(book, "78", name, 10, [start("78", 0)], {"outcome": "finished"})
+    assert cluster_main(["status", name]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "(python -m cluster logs" in x]
+    assert shlex.split(line.split("(", 1)[1].split(" [--rank")[0]) == ["python", "-m", "cluster", "logs", name]
+
+
 def test_cancel_and_resubmit_refuse_what_they_cannot_do(book: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job(book, "60", "done", 10, [start("60", 0)], {"outcome": "finished"})
     assert cluster_main(["cancel", "60"]) == 1

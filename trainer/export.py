@@ -27,8 +27,16 @@ def _sharded(folder: Path, key: str) -> dict[str, torch.Tensor]:
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
-    if key not in state:
-        raise UserError("--key", f"{folder} holds no {key!r}", f"it holds {', '.join(sorted(state))}")
+    return _entries(folder, state, key)
+
+
+def _entries(where: Path, state: dict[str, Any], key: str) -> dict[str, Any]:
+    """``state[key]``, a restored object's state (a mapping); else a UserError naming the keys that are one."""
+    objects = sorted(k for k, v in state.items() if isinstance(v, dict))
+    if not isinstance(state.get(key), dict):
+        what = f"holds no {key!r}" if key not in state else \
+            f"holds {key!r}, but not as an object's state (it is {type(state[key]).__name__})"
+        raise UserError("--key", f"{where} {what}", f"choose one of the objects it holds: {', '.join(objects)}")
     return dict(state[key])
 
 
@@ -47,9 +55,7 @@ def consolidated(target: Path, key: str = "model") -> tuple[Path, dict[str, torc
     path, state = found
     if path.is_dir():
         return path, _sharded(path, key)
-    if key not in state:
-        raise UserError("--key", f"{path} holds no {key!r}", f"it holds {', '.join(sorted(state))}")
-    return path, dict(state[key])
+    return path, _entries(path, state, key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,8 +77,10 @@ def export(source: Path, out: Path, key: str) -> int:
         write_atomic(out, _serialized(plain))
     except OSError as exc:
         raise UserError("OUT", f"cannot write {str(out)!r} ({exc.strerror})", "choose a writable path") from None
-    count = sum(v.numel() for v in plain.values() if isinstance(v, torch.Tensor))
-    print(f"exported {key!r} of {path}: {len(plain)} tensors, {count:,} values → {out}")
+    tensors = [v for v in plain.values() if isinstance(v, torch.Tensor)]
+    others = f" and {len(plain) - len(tensors)} other entries" if len(plain) > len(tensors) else ""
+    print(f"exported {key!r} of {path}: {len(tensors)} tensors ({sum(v.numel() for v in tensors):,} values){others} "
+          f"→ {out}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 from dataclasses import replace
@@ -18,7 +19,7 @@ def _live_ids(record: Record) -> list[str]:
     """The job ids (array tasks too) of ``record`` that Slurm lists as pending or running."""
     if record.kind == "trial":
         raise UserError("RUN", f"{record.name} is a sweep's trial: its worker runs the next one after it",
-                        f"cancel the sweep: python -m cluster cancel {record.sweep_dir.rstrip('/')}")
+                        f"cancel the sweep: python -m cluster cancel {shlex.quote(record.sweep_dir.rstrip('/'))}")
     slurm = ask_slurm([])
     if slurm.queue is None:
         raise UserError("squeue", "Slurm did not answer", "try again on a login node (eval \"$(slurm/dev-cluster.sh env)\" "
@@ -59,13 +60,14 @@ def resubmit(ref: str, overrides: list[str], sets: list[str]) -> int:
     record = resolve(ref)
     if record.by_hand:
         raise UserError("RUN", f"job {record.job_id} was submitted by hand: its batch script is not known here",
-                        f"submit it again as before, in the same folder: RUN_DIR={record.run_dir} sbatch <script> …")
+                        "submit it again as before, in the same folder: "
+                        f"RUN_DIR={shlex.quote(str(record.run_dir))} sbatch <script> …")
     if record.kind != "job":
         raise UserError("RUN", f"{record.name} is a {record.kind}, not a job",
                         "a sweep goes on with: make sweep SWEEP=<its spec> RESUME=<its folder>")
     if _live_ids(record):
         raise UserError("RUN", f"job {record.job_id} is still pending or running",
-                        f"wait for it, or python -m cluster cancel {ref} first")
+                        f"wait for it, or python -m cluster cancel {shlex.quote(ref)} first")
     if record.command and overrides:
         raise UserError("key=value", "overrides are for the built-in trainer; this run is a command",
                         "change the command's arguments by submitting anew (make submit CMD=…)")

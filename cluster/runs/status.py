@@ -6,6 +6,7 @@ A run is named by its folder, its job id (an array task: ``12_3``) or its name (
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from datetime import datetime
 from pathlib import Path
@@ -139,7 +140,7 @@ def show(ref: str) -> int:
     if kind == "sweep":
         state, workers, trials = sweep_row(record, slurm)
         print(f"sweep {record.name}  arrays {', '.join(map(str, record.arrays))}  {state}, {trials}")
-        print(f"folder: {run_dir}\nlogs:   {record.log}\nmore:   make sweep-status SWEEP_DIR={run_dir}")
+        print(f"folder: {run_dir}\nlogs:   {record.log}\nmore:   make sweep-status SWEEP_DIR={shlex.quote(str(run_dir))}")
         return 0
     state, attempts, nodes = (trial_state if kind == "trial" else job_state)(record, slurm, events)
     what = record.command or record.args
@@ -160,7 +161,7 @@ def show(ref: str) -> int:
     runs = attempts_of(run_dir)
     for line in [*map(describe_recovery, recoveries(runs)), *audit_lines(runs)]:
         print(line)
-    print(f"logs:   {record.log}   (python -m cluster logs {ref} [--rank N] [--attempt K] [-f])")
+    print(f"logs:   {record.log}   (python -m cluster logs {shlex.quote(ref)} [--rank N] [--attempt K] [-f])")
     _why(record, events, run_dir)
     return 0
 
