@@ -77,6 +77,7 @@ ERRORS = [
     (["audit.straggler_ratio=1"], "audit.straggler_ratio", "must be > 1", "audit.straggler_steps=0"),
     (["audit.straggler_floor_ms=-5"], "audit.straggler_floor_ms", "must be 0 or more", "straggler_floor_ms=10"),
     (["lr"], "'lr'", "key=value", ""),
+    (["--maxsteps", "5"], "'--maxsteps'", "is no flag of this program", "spelling in `--help`"),  # a script's typo
     (["config=/no/such.yaml"], "config", "does not exist", ""),
 ]
 

@@ -70,6 +70,9 @@ def load(args: list[str]) -> Config:
     files: list[str] = []
     overrides: list[str] = []
     for arg in args:
+        if arg.startswith("-"):  # a script's own flag it does not define reaches the session's overrides
+            raise _err(repr(arg), "is no flag of this program, and the session's arguments are key=value",
+                       "check the flag's spelling in `--help`; session keys look like `optim.lr=0.05`")
         if "=" not in arg or arg.startswith("="):
             raise _err(repr(arg), "arguments must look like key=value", "e.g. `optim.lr=0.05 data.batch_size=64`")
         (files if arg.split("=", 1)[0] == "config" else overrides).append(arg)
