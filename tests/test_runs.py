@@ -317,9 +317,9 @@ def test_a_ledger_error_is_a_message_not_a_traceback(book: Path) -> None:
 
 def test_follow_prints_new_lines_of_the_rank_until_the_job_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "x-9.out"
-    log.write_text("attempt 0 of job 9 starts on n1\n1: old line\n")
+    log.write_text("attempt 0 of job 9 starts on n1\n1: old line\n1: half a li")  # a line being written
     record = ledger.Record(kind="job", job_id="9", launcher="sbatch", log=str(log), name="x")
-    writes = iter(["0: rank 0 line\n1: new ", "line\nattempt 1 of job 9 starts on n2\n1: after requeue\n", ""])
+    writes = iter(["ne\n0: rank 0 line\n1: new ", "line\nattempt 1 of job 9 starts on n2\n1: after requeue\n", ""])
 
     def alive() -> bool:  # the job writes a little more between polls, then ends
         more = next(writes)
@@ -328,8 +328,8 @@ def test_follow_prints_new_lines_of_the_rank_until_the_job_ends(tmp_path: Path, 
         return bool(more)
 
     assert run_logs.show(record, 1, None, True, alive, poll_s=0.01) == 0
-    assert capsys.readouterr().out.splitlines() == ["old line", "new line", "attempt 1 of job 9 starts on n2",
-                                                    "after requeue"]
+    assert capsys.readouterr().out.splitlines() == ["old line", "half a line", "new line",  # whole, once
+                                                    "attempt 1 of job 9 starts on n2", "after requeue"]
 
 
 def test_status_of_a_run_that_is_not_running_shows_no_eta(book: Path, capsys: pytest.CaptureFixture[str]) -> None:

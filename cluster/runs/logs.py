@@ -72,6 +72,16 @@ def read_lines(path: Path) -> list[str]:
         return []
 
 
+def _whole_lines(path: Path) -> tuple[list[str], int]:
+    """The complete lines of ``path`` and the bytes they take: a line still being written is left to ``_follow``."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return [], 0
+    whole = data[: data.rfind(b"\n") + 1]
+    return whole.decode(errors="replace").splitlines(), len(whole)
+
+
 def show(record: Record, rank: int | None, attempt: str | None, follow: bool,
          alive: Callable[[], bool], poll_s: float = 2.0) -> int:
     """Print the chosen lines; with ``follow``, go on printing new ones while ``alive()`` says the job may still
@@ -106,22 +116,25 @@ def _show_job(record: Record, rank: int | None, attempt: str | None, follow: boo
     if not any(p.exists() for p in paths):
         raise UserError("RUN", f"no log of job {job} at {record.log or '(not recorded)'}",
                         "a pending job has none yet (-f waits for it); a removed log cannot be shown")
-    labelled = not record.task_logs
-    for path in paths:
+    labelled, offset = not record.task_logs, 0
+    for i, path in enumerate(paths):
         if len(paths) > 1:
             print(f"==> {path} <==")
-        for line in select(read_lines(path), job, rank, attempt, labelled):
+        # The followed file is read once: its new lines start where these end (none dropped, none split in two).
+        lines, read = _whole_lines(path) if follow and i == 0 else (read_lines(path), 0)
+        offset = read if i == 0 else offset
+        for line in select(lines, job, rank, attempt, labelled):
             print(line)
     if follow:  # the attempt being written (submitit: the first of the chosen task files)
-        for line in _follow(paths[0], job, rank, labelled, alive, poll_s):
+        for line in _follow(paths[0], job, rank, labelled, alive, poll_s, offset):
             print(line, flush=True)
     return 0
 
 
 def _follow(path: Path, job: str, rank: int | None, labelled: bool, alive: Callable[[], bool],
-            poll_s: float) -> Iterator[str]:
-    """New lines of ``path`` (of ``rank``) until the job ends; a new attempt's first line is shown too."""
-    offset = path.stat().st_size if path.exists() else 0
+            poll_s: float, offset: int) -> Iterator[str]:
+    """New lines of ``path`` (of ``rank``) after byte ``offset`` until the job ends; a new attempt's first line is shown
+    too."""
     decode = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may straddle two reads
     partial = ""
     while True:
