@@ -4,6 +4,7 @@ dev cluster test (tests/test_runs_cluster.py) runs the same tools against real j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -18,6 +19,8 @@ from cluster.runs import logs as run_logs
 from cluster.runs import table as runs
 from cluster.runs.status import resolve
 from trainer.core.errors import UserError
+
+from .conftest import small_tmpfs
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = "a'; echo x"
@@ -301,6 +304,23 @@ def test_cancel_and_resubmit_refuse_what_they_cannot_do(book: Path, capsys: pyte
     job(book, "61", "cmd", 10, command=["python", "t.py"], args=["python", "t.py"])
     assert cluster_main(["resubmit", "61", "optim.lr=0.1"]) == 2
     assert "this run is a command" in capsys.readouterr().err
+
+
+def test_a_cancel_slurm_made_is_not_undone_by_a_ledger_it_cannot_write(
+        book: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ledger's disk is full: scancel has worked, so `cancel` says so and warns, instead of a traceback after it."""
+    (book / "bin" / "scancel").write_text(f"#!/bin/sh\necho \"$@\" > {shlex.quote(str(book / 'cancelled'))}\n")
+    (book / "bin" / "scancel").chmod(0o755)
+    with small_tmpfs(book / "full", "64k") as full:
+        monkeypatch.setenv(ledger.LEDGER_ENV, str(full))
+        job(book, "62", "busy", 10, [start("62", 0)])
+        (book / "squeue.out").write_text("62|RUNNING|n1|me\n")
+        with contextlib.suppress(OSError), open(full / "filler", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        assert cluster_main(["cancel", "62"]) == 0
+    assert (book / "cancelled").read_text().split() == ["62"]
+    out = capsys.readouterr().out
+    assert "cancelled busy (job 62)" in out and "warning: the ledger could not record the cancel" in out, out
 
 
 def test_submit_checks_that_a_module_can_be_imported(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,8 +40,11 @@ def cancel(ref: str) -> int:
     if proc.returncode:
         raise UserError("scancel", proc.stderr.strip() or f"exit {proc.returncode}",
                         "is it your job? python -m cluster runs lists yours")
-    ledger.write(replace(record, cancelled_at=round(time.time(), 3)))
     print(f"cancelled {record.name} (job {', '.join(ids)}); its folder stays: {record.run_dir}")
+    try:  # Slurm has cancelled it: a ledger that cannot be written only loses the mark
+        ledger.write(replace(record, cancelled_at=round(time.time(), 3)))
+    except OSError as exc:
+        print(f"warning: the ledger could not record the cancel ({exc}): `runs` may show it as failed")
     return 0
 
 
