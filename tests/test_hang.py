@@ -166,7 +166,7 @@ def test_a_stopped_rank_is_named_by_its_number_as_started_even_once_the_group_is
     clock.now += 7
     hb._report(7.0)  # returns: the group went on (no exit)
     assert store.asked == [[2]]
-    assert "rank   2 ?      wrote nothing: not running (its pulse in the store stood still)" in \
+    assert "rank   2 STUCK  wrote nothing: not running (its pulse in the store stood still)" in \
         (tmp_path / "report.txt").read_text()
 
 
@@ -198,7 +198,7 @@ def test_a_regrouped_rank_records_its_hang_under_its_rank_as_started(tmp_path: P
 @pytest.mark.parametrize(("beats", "world", "expect"), [
     ({0: 40, 1: 38, 2: 40, 3: 38}, 4, "stuck rank(s): 1, 3 "),
     ({0: 40, 1: 40}, 2, "all 2 ranks stopped at the same point"),
-    ({0: 40}, 2, "rank   1 ?      wrote nothing"),
+    ({0: 40}, 2, "stuck rank(s): 1 — the others got further and wait for them"),  # stopped before it wrote
 ])
 def test_report_names_the_ranks_furthest_behind(tmp_path: Path, beats: dict[int, int], world: int, expect: str) -> None:
     for rank, seq in beats.items():
@@ -207,6 +207,9 @@ def test_report_names_the_ranks_furthest_behind(tmp_path: Path, beats: dict[int,
     assert expect in report, report
     if "stuck rank(s): 1, 3" in expect:
         assert "stacks of rank 1" in report and "stacks of rank 3" in report and "stacks of rank 0" not in report
+    if world == 2 and len(beats) == 1:  # the rank that wrote is the one waiting (it was named stuck, its stacks shown)
+        assert "rank   0 waits" in report and "rank   1 STUCK  wrote nothing" in report and "stacks of rank 0" not in \
+            report, report
 
 
 def test_set_aside_keeps_every_earlier_attempt(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ def test_a_stopped_rank_is_killed_by_the_store_and_the_others_go_on_in_place(tmp
         outs = _kill_when(procs, 2, _stepped(run, 8), signal.SIGSTOP)
     [regroup] = _events(run, "regroup")  # the survivors finished: only the store can have killed rank 2 meanwhile
     assert (regroup["lost"], regroup["world_size"]) == ([2], 2), regroup
-    assert "rank   2 ?      wrote nothing: not running (its pulse in the store stood still)" in \
+    assert "rank   2 STUCK  wrote nothing: not running (its pulse in the store stood still)" in \
         (run / "hang" / "report.txt").read_text()
     assert f"regrouped: rank 2 lost; 2 of 3 processes go on from step {regroup['step']}" in outs[0]
     steps = _trace(run)

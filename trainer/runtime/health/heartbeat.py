@@ -278,12 +278,13 @@ def stuck_ranks(beats: dict[int, dict[str, Any]], world: int) -> tuple[list[int]
 
 
 def build_report(folder: Path, world: int, timeout_s: float, still: list[int] | None = None) -> str:
-    """The hang report from the ranks' files: who is stuck where, then each stuck rank's stacks (``still``: the
-    ranks whose pulse in the store stood still)."""
+    """The hang report from the ranks' files: who is stuck where (as the exit records judge: a rank that wrote nothing
+    first, :func:`stuck_now`), then each stuck rank's stacks (``still``: the ranks whose pulse in the store stood
+    still)."""
     beats = _beats(folder)
     missing = [r for r in range(world) if r not in beats]
     lines = [f"HANG: no progress for more than {timeout_s:.0f} s (dist.heartbeat_timeout_s); stacks in {folder}"]
-    stuck, whole = stuck_ranks(beats, world)
+    stuck, whole = stuck_now(beats, world)
     if beats:
         if whole:
             lines.append(f"all {world} ranks stopped at the same point (step {beats[0]['step']}, {beats[0]['phase']}): "
@@ -299,7 +300,7 @@ def build_report(folder: Path, world: int, timeout_s: float, still: list[int] | 
     for r in missing:
         why = ("not running (its pulse in the store stood still): stopped, or stuck holding the GIL" if r in (still or [])
                else "dead, or stuck without releasing the GIL")
-        lines.append(f"  rank {r:>3} ?      wrote nothing: {why}")
+        lines.append(f"  rank {r:>3} STUCK  wrote nothing: {why}")
     for r in stuck[:4]:  # the stacks that matter; the others are in the folder
         with contextlib.suppress(OSError):
             lines += ["", f"--- rank {r} stacks ---", (folder / f"rank_{r}.txt").read_text().rstrip()]
