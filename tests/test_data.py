@@ -150,6 +150,16 @@ def build(keep: str = "nothing"):
 '''
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case: train.device=auto finds no GPU")
+def test_fp16_on_the_cpu_that_auto_picked_is_refused_before_the_run(tmp_path: Path) -> None:
+    """train.device=auto on a machine without a GPU: fp16 trained anyway (torch's GradScaler only warned)."""
+    run = tmp_path / "run"
+    proc = ok(run_trainer([*SMALL, "train.precision=fp16", f"run.dir={run}"], tmp_path), code=2)
+    assert "error: train.precision: fp16 needs CUDA (GradScaler), and this run's device is cpu" in proc.stderr, \
+        proc.stderr
+    assert not (run / "checkpoints").exists() and not (run / "result.json").exists()
+
+
 @pytest.mark.parametrize("batch", ["data.batch_size=8", "data.global_batch_size=16"])
 def test_a_training_set_without_a_sample_fails_before_the_run_instead_of_finishing_at_once(
         tmp_path: Path, batch: str) -> None:

@@ -67,10 +67,20 @@ def test_a_run_started_afresh_in_a_used_folder_is_a_new_wandb_run_from_its_first
     run = tmp_path / "run"
     ok(run_trainer([*OFFLINE, f"run.dir={run}"], tmp_path))
     first = json.loads((run / "tracking.json").read_text())["run_id"]
-    ok(run_trainer([*OFFLINE, f"run.dir={run}", "checkpoint.resume=never"], tmp_path))
+    afresh = ok(run_trainer([*OFFLINE, f"run.dir={run}", "checkpoint.resume=never", "train.max_steps=8"], tmp_path))
     (again,) = [summary(f) for f in run_files(run) if summary(f)["run_id"] != first]
     assert sorted(again["history"])[0] == 4, again["history"]
     assert json.loads((run / "tracking.json").read_text())["run_id"] == again["run_id"]
+    # The first run's checkpoints went aside (kept): a later resume continues the new run, not the older one whose
+    # newest step (32) outnumbered the new run's (8).
+    (aside,) = run.glob("checkpoints.before-*")
+    assert f"checkpoints are set aside in {aside}" in afresh.stdout and list(aside.glob("step_*.json"))
+    later = ok(run_trainer([*OFFLINE, f"run.dir={run}", "train.max_steps=8"], tmp_path))
+    assert "step_00000008.pt at step 8" in later.stdout, later.stdout
+    old = max(aside.glob("step_*.pt"))  # asked for by path, in a folder with checkpoints of its own: said, not silent
+    pointed = ok(run_trainer([*OFFLINE, f"run.dir={run}", "train.max_steps=8", f"checkpoint.resume={old}"], tmp_path))
+    assert f"checkpoint.resume={old} is where this run started; it continues from its own step_00000008.pt" in \
+        pointed.stdout, pointed.stdout
 
 
 def test_disabled_writes_nothing(tmp_path: Path) -> None:

@@ -70,6 +70,9 @@ class Trainer:
     def __init__(self, sess: Session, parts: Parts) -> None:
         cfg, self.sess, self.cfg = sess.cfg, sess, sess.cfg
         self.task, self.record, self.data = parts.task, parts.record, parts.data
+        if cfg.train.precision == "fp16" and sess.device.type != "cuda":  # train.device=auto found no GPU
+            raise UserError("train.precision", f"fp16 needs CUDA (GradScaler), and this run's device is {sess.device}",
+                            "use train.precision=bf16 or fp32 without a GPU")
         data = self.data
         # In-memory sets need no workers; iterable sets load in-process, so that a Stateful set's position is the
         # loader's (workers would hold copies).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,10 @@ def durable_step(cfg: Config, env: DistEnv, run_dir: Path) -> int:
 
 
 def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
-    """The checkpoint ``checkpoint.resume`` points to (the run's own newest one wins), or None."""
+    """The checkpoint ``checkpoint.resume`` points to (the run's own newest one wins), or None. ``never`` in a folder
+    holding checkpoints sets them aside first: a later resume must continue this run, not the older one."""
     if cfg.checkpoint.resume == "never":
+        on_main(env.is_main, lambda: _set_aside(run_dir / "checkpoints"))
         return None
     explicit = None if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
     verified: dict[str, Any] = {}
@@ -61,6 +64,9 @@ def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
                                 "pass a checkpoint file or run folder written by this trainer") from None
             if found:
                 verified["state"] = found[1]  # rank 0 read the file once to verify it: that read is the load
+                if explicit and target == run_dir:
+                    print(f"note: checkpoint.resume={explicit} is where this run started; it continues from its own "
+                          f"{found[0].name} (to start from {explicit.name} again, use another run.dir)", flush=True)
                 return str(found[0])
         if explicit:
             raise UserError("checkpoint.resume", f"no complete checkpoint in {str(explicit)!r}",
@@ -77,3 +83,15 @@ def find(cfg: Config, env: DistEnv, run_dir: Path) -> Resumed | None:
     state = verified.get("state") or torch.load(source, map_location="cpu", weights_only=True)
     return Resumed(Path(chosen), state)
 
+
+
+def _set_aside(folder: Path) -> None:
+    """Move a run folder's checkpoints aside (renamed, never deleted) before a run that starts afresh in it."""
+    if not committed(folder):
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = next(folder.with_name(f"checkpoints.before-{stamp}{f'-{i}' if i else ''}") for i in range(1000)
+                 if not folder.with_name(f"checkpoints.before-{stamp}{f'-{i}' if i else ''}").exists())
+    folder.rename(aside)
+    print(f"note: checkpoint.resume=never: this folder's checkpoints are set aside in {aside}, so that a later resume "
+          "continues this run, not that one", flush=True)
