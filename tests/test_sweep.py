@@ -565,6 +565,21 @@ def test_a_report_line_of_any_other_shape_is_skipped_not_fatal(tmp_path: Path, m
     assert trial.state.name == "COMPLETE" and trial.intermediate_values == {10: 0.5}
 
 
+def test_a_worker_stopped_past_the_locks_age_does_not_free_the_next_holders_lock(tmp_path: Path) -> None:
+    """Worker A holds the ask lock and is stopped (SIGSTOP, a suspended job) until its lock looks stale; B takes it
+    over. A, woken, left the critical section by removing the lock: B's, so a third worker could ask beside B."""
+    a = worker._lock(tmp_path)
+    a.__enter__()
+    old = time.time() - 3600
+    os.utime(tmp_path / ".ask.lock", (old, old))  # A stopped for an hour
+    b = worker._lock(tmp_path)
+    b.__enter__()  # taken over
+    a.__exit__(None, None, None)
+    assert (tmp_path / ".ask.lock").is_dir()  # still B's
+    b.__exit__(None, None, None)
+    assert not (tmp_path / ".ask.lock").exists()
+
+
 def test_a_worker_whose_trials_keep_failing_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   squeue: Path) -> None:
     folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -59,17 +60,21 @@ def _mine(sweep_dir: Path, worker: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _lock(folder: Path, stale_s: float = 120.0) -> Any:
-    """One worker at a time counts and asks (mkdir is atomic on shared file systems too)."""
+    """One worker at a time counts and asks (mkdir is atomic on shared file systems too). The holder leaves a token in
+    the lock and removes the lock only while its token is there: a holder that was stopped past ``stale_s`` (its lock
+    taken over meanwhile) must not remove the next holder's."""
     path = folder / ".ask.lock"
+    token = path / f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}"
     deadline = time.monotonic() + 600
     while True:
         try:
             path.mkdir()
+            token.touch()
             break
         except FileExistsError:
             with contextlib.suppress(OSError):
                 if time.time() - path.stat().st_mtime > stale_s:  # its holder died: take it over
-                    path.rmdir()
+                    shutil.rmtree(path)
                     continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path} held for 10 min") from None
@@ -78,6 +83,7 @@ def _lock(folder: Path, stale_s: float = 120.0) -> Any:
         yield
     finally:
         with contextlib.suppress(OSError):
+            token.unlink()  # FileNotFoundError: taken over, the lock is another's now
             path.rmdir()
 
 

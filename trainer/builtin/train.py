@@ -213,6 +213,9 @@ class Trainer:
             except RuntimeError as exc:  # a lost peer: the survivors go on in place (TRAINER_STORE), else raised
                 start = sess.regroup(exc)
                 self._plan_steps()  # the global batch's split on the new world size, and the steps left in it
+                if bar is not None:  # the steps left, as planned again, from the step the group goes on from
+                    bar.total, bar.n = self.total_steps, start
+                    bar.refresh()
         train_time = time.perf_counter() - started - self.eval_time
         if bar is not None:
             bar.close()
