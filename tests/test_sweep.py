@@ -580,6 +580,24 @@ def test_a_worker_stopped_past_the_locks_age_does_not_free_the_next_holders_lock
     assert not (tmp_path / ".ask.lock").exists()
 
 
+def test_a_trial_in_the_ledger_is_running_while_its_worker_holds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:
+    """`cluster runs --trials` and `cluster status <trial>` read the worker's file: once it was named by array and
+    index, every running trial read as ended."""
+    from cluster.job import ledger
+    from cluster.runs.table import Slurm, trial_state
+
+    monkeypatch.setenv(ledger.LEDGER_ENV, str(tmp_path / "ledger"))
+    folder = local_sweep(tmp_path, TPE)
+    be(monkeypatch, 0)
+    assert worker.next_trial(folder, 0) == 0
+    number = assignment(folder, 0)[0]
+    (record,) = [r for r in ledger.records() if r.kind == "trial"]
+    assert (record.job_id, record.trial) == ("900_0", number)
+    assert trial_state(record, Slurm(queue={"900_0": ("RUNNING", "n1")}), [])[0] == "running"
+    assert trial_state(record, Slurm(queue={}), [])[0] == "ended"
+
+
 def test_a_worker_whose_trials_keep_failing_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   squeue: Path) -> None:
     folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))

@@ -90,7 +90,7 @@ def test_a_tpe_sweep_prunes_concentrates_and_survives_a_preempted_worker(slurm_e
     run = folder / "trials" / str(preempted)
     result = json.loads((run / "result.json").read_text())
     assert result["resumed_from"] and "/checkpoints/step_" in result["resumed_from"], result
-    history = [h["trial"] for h in json.loads((folder / "workers" / "0.json").read_text())["history"]]
+    history = [h["trial"] for h in json.loads((folder / "workers" / f"{array}_0.json").read_text())["history"]]
     assert history.count(preempted) == 1
     starts = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if '"job_start"' in line]
     assert [e["restart"] for e in starts] == [0, 1]

@@ -151,7 +151,7 @@ def trial_state(record: Record, slurm: Slurm, events: list[dict[str, Any]]) -> t
     if outcome:
         return str(outcome), attempts, ""
     live = (slurm.queue or {}).get(record.job_id)
-    holds = read_dict(Path(record.sweep_dir) / "workers" / f"{record.worker}.json")
+    holds = read_dict(Path(record.sweep_dir) / "workers" / f"{record.job_id}.json")  # <array>_<w>: its worker's file
     if live and holds.get("trial") == record.trial:
         return LIVE.get(live[0], live[0].lower()), attempts, live[1]
     return "ended", attempts, ""

@@ -161,7 +161,7 @@ def _owner(worker: int) -> dict[str, Any]:
 
 def _record(sweep_dir: Path, worker: int, record: SweepFile, number: int, params: dict[str, Any]) -> None:
     """The trial in the ledger (``python -m cluster runs --trials``), under its worker's array task."""
-    name, task = f"{record.sweep_id}-{number}", f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{worker}"
+    name, task = f"{record.sweep_id}-{number}", task_name(worker)  # its worker's files are workers/<task>.*
     try:
         ledger.write(ledger.Record(kind="trial", key=name, name=name, trial=number, worker=worker, job_id=task,
                                    sweep_dir=str(sweep_dir), run_dir=str(sweep_dir / "trials" / str(number)),
