@@ -81,6 +81,12 @@ def test_a_run_started_afresh_in_a_used_folder_is_a_new_wandb_run_from_its_first
     pointed = ok(run_trainer([*OFFLINE, f"run.dir={run}", "train.max_steps=8", f"checkpoint.resume={old}"], tmp_path))
     assert f"checkpoint.resume={old} is where this run started; it continues from its own step_00000008.pt" in \
         pointed.stdout, pointed.stdout
+    # never is the job's first start only: its later attempt (here a restart in place) continues, nothing set aside.
+    never = [*OFFLINE, f"run.dir={run}", "checkpoint.resume=never", "train.max_steps=16", "checkpoint.poll_steps=1"]
+    ok(run_trainer(never, tmp_path, env=faults(preempt_at_step=5)), code=75)
+    assert len(list(run.glob("checkpoints.before-*"))) == 2
+    later = ok(run_trainer(never, tmp_path, env={"TRAINER_ATTEMPT": "0.1"}))
+    assert "at step 6" in later.stdout and len(list(run.glob("checkpoints.before-*"))) == 2, later.stdout
 
 
 def test_disabled_writes_nothing(tmp_path: Path) -> None:

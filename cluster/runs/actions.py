@@ -89,6 +89,8 @@ def resubmit(ref: str, overrides: list[str], sets: list[str]) -> int:
         profile_sets[key] = value
     p = load_profile(record.cluster or record.profile or "dev", profile_sets)
     args = list(record.args)  # the trainer's overrides, or the command's words (a module's arguments)
+    if not record.command and "checkpoint.resume=never" in args:  # it was to start afresh once: now it continues
+        args.append("checkpoint.resume=auto")
     origin = Origin(record.cluster, (*record.sets, *sets), record.nodes_arg, resubmit_of=record.job_id)
     launcher = pick(record.launcher)
     os.environ["RUN_DIR"] = record.run_dir  # the batch script takes it: the same folder, its checkpoints

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from trainer.checkpoint.layout import EXTRA, committed, find_resumable
 from trainer.core.dist import on_main
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
+from trainer.core.exits import attempt_id
 from trainer.core.schema import Config
 
 
@@ -25,6 +27,19 @@ class Resumed:
     state: dict[str, Any]
     memory: bool = False
     """A snapshot in node memory (trainer.checkpoint.memory), not a durable checkpoint."""
+
+
+def continuing(cfg: Config) -> Config:
+    """``cfg`` with ``checkpoint.resume=never`` read as ``auto``: what a recovery inside a run loads from."""
+    if cfg.checkpoint.resume != "never":
+        return cfg
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
+
+
+def for_this_start(cfg: Config, env: DistEnv) -> Config:
+    """``checkpoint.resume=never`` starts a job afresh once: its later attempts (a requeue, a restart inside the
+    allocation, torchrun's agent starting it again) continue the checkpoints its first one wrote."""
+    return cfg if attempt_id() == "0" and env.agent_restart == 0 else continuing(cfg)
 
 
 def durable_step(cfg: Config, env: DistEnv, run_dir: Path) -> int:

@@ -134,8 +134,9 @@ class DistConfig:
 @dataclass
 class CheckpointConfig:
     resume: str = "auto"
-    """auto (newest complete checkpoint in the run folder, if any); never (start afresh: the folder's checkpoints are
-    set aside); or a checkpoint path to start from (once the run folder holds checkpoints, its newest wins)."""
+    """auto (newest complete checkpoint in the run folder, if any); never (the job's first start begins afresh, the
+    folder's checkpoints set aside; its requeues continue); or a checkpoint path to start from (once the run folder
+    holds checkpoints, its newest wins)."""
     every_steps: int = 0
     """Save every N optimizer steps; 0 turns step-based saves off."""
     every_minutes: float = 0.0

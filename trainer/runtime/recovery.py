@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
+from trainer.checkpoint.resume import continuing
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.state import PerRank, load_into, state_of
 from trainer.core import dist as tdist
@@ -154,7 +155,7 @@ def reload(s: Setup, run_dir: str, model: nn.Module | None, objects: dict[str, A
     for loader in (o for o in objects.values() if isinstance(o, Loader)):  # the new split; the position comes next
         loader.reshape(s.env, loader.state_dict())
     snapshots = Snapshots.open(s.cfg, s.env, s.job, Path(run), s.sharded, model, lambda *_, **__: None)
-    restored = resume(s.cfg, s.env, Path(run), snapshots, objects, model, s.say)
+    restored = resume(continuing(s.cfg), s.env, Path(run), snapshots, objects, model, s.say)  # never sets aside
     if restored.resumed is None:
         raise RuntimeError("no snapshot in node memory and no checkpoint holds the lost rank's shard yet")
     marks.done = marks.current = restored.step

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint import sharded_format
 from trainer.checkpoint.base import Checkpointer
-from trainer.checkpoint.resume import Resumed
+from trainer.checkpoint.resume import Resumed, for_this_start
 from trainer.checkpoint.state import STATE_VERSION, PerRank, check_plain, collect, own_fields
 from trainer.core import dist as tdist
 from trainer.core import exits, hooks
@@ -67,8 +67,9 @@ class Session:
         self.cfg = config if isinstance(config, Config) else load(list(config or []))
         self.extra_config = dict(extra_config or {})
         check_plain(self.extra_config, "Session(extra_config=…)")  # in every checkpoint: it must load back
-        self.config_dict = to_dict(self.cfg)
         self.env = discover()
+        self.cfg = for_this_start(self.cfg, self.env)  # resume=never: the job's first start only
+        self.config_dict = to_dict(self.cfg)
         faults.install()  # the test faults TRAINER_FAULTS names, if any, at the runtime's one seam (core/hooks.py)
         self.job = job_info()
         self.device = tdist.pick_device(self.env, self.cfg.train.device, self.job.gpus_on_node)
