@@ -95,10 +95,17 @@ def test_exit_codes_pass_through(tmp_path: Path, code: str, expected: int) -> No
 @pytest.mark.parametrize(("args", "field"), [([], "CMD"), (["--", "no-such-program-x"], "CMD"),
                                              (["--signal", "KILL", "--", "true"], "--signal")])
 def test_bad_commands_are_clear(tmp_path: Path, args: list[str], field: str) -> None:
-    proc = launch(args, slurm_task(0, 1, 7), tmp_path)
+    proc = launch(args, slurm_task(0, 1, 7, {"RUN_DIR": str(tmp_path)}), tmp_path)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 2, out
     assert f"error: {field}" in out and "HINT:" in out and "Traceback" not in out
+    # A command that cannot start is the user's error in its exit record too: a start record left alone reads as
+    # killed by a signal (the node's fault: retried, and the node blamed).
+    records = list(tmp_path.glob("exits/*/train-0.json"))
+    assert len(records) == (args[-1:] == ["no-such-program-x"])  # the others stop before the command's start
+    for record in records:
+        info = json.loads(record.read_text())
+        assert (info["code"], info["class"]) == (2, "user_error"), info
 
 
 def test_the_session_api_saves_on_the_jobs_warning_signal_into_run_dir(tmp_path: Path) -> None:

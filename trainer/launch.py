@@ -28,7 +28,7 @@ from types import FrameType
 
 from trainer.core import exits
 from trainer.core.env import DistEnv, discover, job_info, torchrun_environ
-from trainer.core.errors import EXIT_REQUEUE, UserError, exit_code_of, record_end
+from trainer.core.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, UserError, exit_code_of, record_end
 from trainer.core.records import REQUEUE_MARKER, RequeueMarker
 
 STOP_WAIT_S = 10.0
@@ -99,6 +99,8 @@ def run(cmd: list[str], warning: str = "USR2", requeue_after: float | None = Non
     try:
         child = subprocess.Popen(argv, env=command_environ(env, sig, torchrun))
     except OSError as exc:
+        if not torchrun:  # its start record must not read as killed by a signal: the node's fault, retried, blamed
+            record_end(EXIT_BAD_INPUT, rank=env.rank, cause=f"the command cannot start: {argv[0]} ({exc.strerror})")
         raise UserError("CMD", f"cannot start {argv[0]!r} ({exc.strerror})",
                         "give a program on PATH on the compute nodes, or a path relative to the submit folder") from None
     finally:
