@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.core.errors import UserError
@@ -160,14 +162,28 @@ def load_profile(name_or_path: str, overrides: dict[str, object] | None = None) 
     try:
         merged = OmegaConf.merge(schema, loaded)
         for key, value in (overrides or {}).items():
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
-    except OmegaConfBaseException as exc:
+            _set(merged, key, value)
+        profile: Profile = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:  # an unknown key, a wrong type, an interpolation the profile cannot resolve
         key = getattr(exc, "full_key", None) or "?"
         valid = ", ".join(f.name for f in fields(Profile))
         raise bad(str(key), str(exc).splitlines()[0].rstrip("."), f"check {path}; valid keys: {valid}") from None
-    profile: Profile = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(profile)
     return profile
+
+
+def _set(cfg: Any, key: str, value: object) -> None:
+    """One ``--set KEY=VALUE``: the text as typed for a scalar key (read as YAML, account=0123 became 83, env.X=yes
+    True, and '# …' was dropped), as YAML only for a list or a mapping; ``${…}`` stays literal text."""
+    if isinstance(value, str) and isinstance(OmegaConf.select(cfg, key, default=None), ListConfig | DictConfig):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise bad(key, f"{value!r} is not a YAML list or mapping ({str(exc).splitlines()[0]})",
+                      f"e.g. --set '{key}=[a, b]'") from None
+    elif isinstance(value, str):
+        value = value.replace("${", "\\${")
+    OmegaConf.update(cfg, key, value, merge=True)
 
 
 def validate(p: Profile) -> None:

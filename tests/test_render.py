@@ -283,6 +283,22 @@ def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture
     assert err.startswith(f"error: {field}") and "HINT: " in err
 
 
+@pytest.mark.parametrize(("key", "typed", "field", "kept"), [
+    ("account", "0123", "account", "0123"),              # YAML read it as octal 83
+    ("env.X", "0x10", "env", "0x10"),             # as 16
+    ("env.X", "yes", "env", "yes"),               # as True
+    ("env.X", "hello #world", "env", "hello #world"),  # as "hello"
+    ("env.X", "${foo}", "env", "${foo}"),         # an interpolation: a traceback at to_object
+    ("env.X", "[1", "env", "[1"),                 # a YAML error: a traceback
+    ("nodes", "3", "nodes", 3),                          # typed keys still take their type
+    ("setup", "[module load x, echo y]", "setup", ["module load x", "echo y"]),  # lists are YAML
+])
+def test_set_values_reach_the_profile_as_typed(key: str, typed: str, field: str, kept: object) -> None:
+    """`--set KEY=VALUE` on the command line: the text itself for a text key, never a YAML reading of it."""
+    p = load_profile("dev", {key: typed})
+    assert (p.env["X"] if field == "env" else getattr(p, field)) == kept
+
+
 def test_unknown_profile_and_bad_training_override(capsys: pytest.CaptureFixture[str]) -> None:
     assert cluster_main(["submit", "--cluster", "nope", "--dry-run"]) == 2
     assert "error: CLUSTER" in capsys.readouterr().err
