@@ -229,7 +229,15 @@ def validate(p: Profile) -> None:
         if not re.fullmatch(r"[A-Za-z0-9._/@+=-]+(:[A-Za-z0-9._/@+=-]+)?(:ro|:rw)?", mount):
             raise bad("container.mounts", f"{mount!r} is not a plain HOST[:CONTAINER] path",
                        "use absolute paths without spaces, quotes or commas, e.g. /data:/data")
-    for name in p.env:
+    for key in ("python", "log_dir"):
+        if not str(getattr(p, key)).strip():
+            raise bad(key, "is empty", f"e.g. {key}: {getattr(Profile(), key)}")
+    if 0 < p.mem_per_task_gb < 1 / 1024:  # --mem-per-cpu=0M is "all the node's memory" to Slurm
+        raise bad("mem_per_task_gb", f"{p.mem_per_task_gb} is under 1 MiB", "e.g. mem_per_task_gb: 4, or 0 for "
+                  "the partition's default")
+    for name, value in p.env.items():
+        if not isinstance(value, str | int | float | bool):
+            raise bad(f"env.{name}", f"must be one value, got {value!r}", f"e.g. env: {{{name}: value}}")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise bad(f"env.{name}", "is not a valid variable name", "use letters, digits and '_'")
         if name == "WANDB_API_KEY":
@@ -240,7 +248,7 @@ def validate(p: Profile) -> None:
 def node_range(text: str) -> dict[str, object]:
     """``--nodes`` as profile keys: ``N`` (exactly), ``MIN-MAX`` (a range: min_nodes and nodes)."""
     low, dash, high = text.partition("-")
-    if not (low.isdigit() and (high.isdigit() or not dash)) or int(low) < 1 or (dash and int(high) < int(low)):
+    if not re.fullmatch(r"[0-9]+(-[0-9]+)?", text) or int(low) < 1 or (dash and int(high) < int(low)):  # ASCII only
         raise UserError("NODES", f"{text!r} is neither a node count nor a range MIN-MAX of at least 1 node",
                         "e.g. NODES=2, or NODES=1-2")
     return {"nodes": int(high or low), "min_nodes": int(low) if high else 0}

@@ -234,6 +234,8 @@ def test_spare_nodes_restart_inside_the_allocation(tmp_path: Path) -> None:
     ("2-1", [], "error: NODES: '2-1' is neither a node count nor a range MIN-MAX of at least 1 node"),
     ("0-2", [], "error: NODES: '0-2' is neither"),
     ("1-x", [], "error: NODES: '1-x' is neither"),
+    ("²", [], "error: NODES: '²' is neither"),  # a digit to str.isdigit, not to int(): a traceback
+    ("٣", [], "error: NODES: '٣' is neither"),  # an Arabic-Indic 3, rendered as --nodes=3
 ])
 def test_a_node_range_is_asked_of_slurm_and_the_global_batch_checked_for_each_size(
         capsys: pytest.CaptureFixture[str], nodes: str, args: list[str], error: str | None) -> None:
@@ -275,6 +277,9 @@ def test_api_key_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     (["storm_after=-1"], "profile.storm_after"),
     (["regroup=true", "launch=torchrun"], "profile.regroup"),
     (["regroup=true", "container.runtime=pyxis", "container.image=x"], "profile.regroup"),
+    (["python="], "profile.python"),  # srun '' -m trainer.launch
+    (["log_dir="], "profile.log_dir"),  # --output=/%x-%j.out, the root folder
+    (["mem_per_task_gb=0.0001"], "profile.mem_per_task_gb"),  # --mem-per-cpu=0M: all the node's memory
 ])
 def test_bad_profile_values_fail_before_submitting(capsys: pytest.CaptureFixture[str], sets: list[str], field: str) -> None:
     argv = ["submit", "--cluster", "dev", "--launcher", "sbatch"] + [a for s in sets for a in ("--set", s)]
