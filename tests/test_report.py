@@ -191,6 +191,39 @@ def test_a_start_that_died_before_its_session_opened_is_an_attempt_of_its_own(tm
     assert f["goodput"] == pytest.approx((82.0 + 80.0) * 2 / ((103.0 + 31.0 + 100.0) * 2 + 300.0))
 
 
+def test_a_recovery_spans_the_starts_that_died_before_the_next_session(tmp_path: Path) -> None:
+    """A node died at step 80 (saved at 50); the requeue landed on a bad node and died before its session; the next
+    start resumed at 50. One recovery, from attempt 1 to attempt 3, recomputing 30 steps (the dead start's pair was
+    skipped and the recovery counted from it, with 0 steps recomputed)."""
+    events = [{"t": 100.0, "event": "job_start", "job_id": "7", "restart": 0, "nodes": 2},
+              {"t": 110.0, "event": "attempt", "started": 105.0, "job_id": "7", "attempt": "0", "nodes": 2,
+               "resumed_step": 0, "torch": "2.x"},
+              {"t": 120.0, "event": "first_step", "step": 1},
+              {"t": 200.0, "event": "checkpoint", "step": 50, "stall_s": 1.0},
+              {"t": 290.0, "event": "progress", "step": 80},
+              {"t": 300.0, "event": "job_end", "job_id": "7", "code": 1},
+              {"t": 301.0, "event": "attempt_end", "job_id": "7", "attempt": "0", "class": "infrastructure",
+               "cause": "node n2 died", "decision": "requeue"},
+              {"t": 1000.0, "event": "job_start", "job_id": "7", "restart": 1, "nodes": 2},
+              {"t": 1030.0, "event": "job_end", "job_id": "7", "code": 1},
+              {"t": 1031.0, "event": "attempt_end", "job_id": "7", "attempt": "1", "class": "infrastructure",
+               "cause": "node n3: CUDA error", "decision": "requeue"},
+              {"t": 2000.0, "event": "job_start", "job_id": "7", "restart": 2, "nodes": 2},
+              {"t": 2010.0, "event": "attempt", "started": 2005.0, "job_id": "7", "attempt": "2", "nodes": 2,
+               "resumed_step": 50, "torch": "2.x"},
+              {"t": 2020.0, "event": "first_step", "step": 51},
+              {"t": 2100.0, "event": "exit", "code": 0, "step": 100}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    f = figures(attempts(tmp_path))
+    [r] = f["recoveries"]
+    assert (r["after_attempt"], r["recomputed_steps"], r["total_s"]) == (1, 30, 1730.0)
+    assert [(a["exit"], a["lost_steps"]) for a in f["attempts"]] == [(1, 30), (1, 0), (0, 0)]
+    from trainer import report
+
+    path, _ = report.render(tmp_path)
+    assert "torch 2.x" in path.read_text()  # the software of the last session, not the dead start's None
+
+
 def test_a_recovery_in_place_is_an_attempt_of_the_report_and_of_status(tmp_path: Path) -> None:
     """A regroup (Session.regroup) is the next attempt inside its allocation (``0`` → ``0.1``, no process started):
     the report gives it a row and a line broken down by phase, `cluster status` a line, and the attempt it ended

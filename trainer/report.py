@@ -132,7 +132,7 @@ def _render(run_dir: Path) -> tuple[Path, dict[str, Any]]:
                                     for c, fmt in COLUMNS) + "</tr>" for r in f["attempts"])
     imgs = "".join(f'<h2>{name}</h2><img alt="{name}" src="data:image/png;base64,'
                    f'{base64.b64encode(p.read_bytes()).decode()}">' for name, p in pngs.items())
-    info = runs[-1].info
+    info = next((a.info for a in reversed(runs) if a.opened), runs[-1].info)  # a session's: its software
     page = (f"<!doctype html><meta charset='utf-8'><title>Run report: {html.escape(run_dir.name)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:right}"
             "table{border-collapse:collapse}tr:nth-child(even){background:#f3f3f3}</style>"

@@ -43,6 +43,11 @@ class Attempt:
     batch_start: float | None = None
     """When the batch script started this attempt (its ``job_start`` event), if it did."""
 
+    @property
+    def opened(self) -> bool:
+        """Its session opened (an ``attempt`` event); else a batch start only: a command, or a start that died."""
+        return self.info.get("event") == "attempt"
+
     def times(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == kind]
 
@@ -128,7 +133,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
                      "blamed": ",".join(a.verdict.get("blamed") or []) or None})
     return {"attempts": rows, "allocated_node_s": alloc, "productive_node_s": productive,
             "recovery_s": recovery(rows), "recoveries": recoveries(runs), "cadence": cadence(runs, rows),
-            "audits": audit_lines(runs), "startup": startup_lines(runs[:1]),
+            "audits": audit_lines(runs), "startup": startup_lines([a for a in runs if a.opened][:1]),
             "goodput": productive / alloc if alloc > 0 else 0.0, "lost_steps": sum(r["lost_steps"] for r in rows),
             "stall_s": sum(r["stall_s"] for r in rows)}
 
@@ -136,7 +141,7 @@ def figures(runs: list[Attempt]) -> dict[str, Any]:
 def _resumed_after(runs: list[Attempt], i: int) -> int:
     """The step the next attempt that opened a session resumed from (starts that died before theirs resumed
     nothing); attempt ``i``'s own last step when none did (nothing of it was computed again)."""
-    later = [int(b.info.get("resumed_step") or 0) for b in runs[i + 1:] if b.info.get("event") == "attempt"]
+    later = [int(b.info.get("resumed_step") or 0) for b in runs[i + 1:] if b.opened]
     return later[0] if later else runs[i].last_step
 
 
@@ -163,7 +168,8 @@ def recoveries(runs: list[Attempt]) -> list[dict[str, Any]]:
     batch start (a requeue's pending time; ~0 in the allocation); startup: → the restore began (interpreter, torch,
     process group, model); restore: the restore itself; first_step: → the first step of the next attempt done."""
     out: list[dict[str, Any]] = []
-    for number, (a, b) in enumerate(pairwise(runs), start=1):
+    # Between sessions: a start that died before its own (a bad node) is part of the wait for the next.
+    for (number, a), (_, b) in pairwise([(i, r) for i, r in enumerate(runs, start=1) if r.opened]):
         if b.info.get("regroup"):
             out += in_place(number, a, b)
             continue
@@ -275,7 +281,7 @@ def cadence(runs: list[Attempt], rows: list[dict[str, Any]]) -> dict[str, Any] |
     said = [e for a in runs for e in a.times("cadence")]
     if not said:
         return None
-    cut = [r["lost_s"] for r in rows[:-1] if r["exit"] not in (0, 75)]
+    cut = [r["lost_s"] for a, r in zip(runs[:-1], rows[:-1], strict=True) if a.opened and r["exit"] not in (0, 75)]
     return {"interval_s": said[-1]["interval_s"], "expected_lost_s": said[-1]["interval_s"] / 2,
             "measured_lost_s": sum(cut) / len(cut) if cut else None, "interruptions": len(cut)}
 
