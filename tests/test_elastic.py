@@ -261,14 +261,15 @@ def test_bad_loader_arguments_are_refused_with_the_reason() -> None:
     data = torch.utils.data.TensorDataset(torch.arange(50))
     with pytest.raises(UserError, match="more than the 50 samples"):
         Loader(data, env_of(0, 1), 4, 3, plan(64, 1, 4))
-    with pytest.raises(UserError, match=r"Session.loader\(drop_last=…\): cannot be set with global_batch_size"):
+    with pytest.raises(UserError, match=r"Session.loader\(drop_last=…\): cannot be set: a global batch"):
         Loader(data, env_of(0, 1), 4, 3, plan(12, 1, 4), drop_last=True)
 
     with pytest.raises(UserError, match=r"Session.loader\(sampler=…\): would replace the sampler"):
         Loader(data, env_of(0, 1), 4, 3, sampler=range(50))
     # shuffle=False keeps the set's order (it was shuffled anyway), and resumes by position all the same
-    kept = Loader(data, env_of(0, 1), 4, 3, shuffle=False)
-    assert [b[0].tolist() for b, _ in zip(kept.forever(), range(2), strict=False)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for planned in (None, plan(8, 1, 4)):  # with a global batch too (a job that may change size keeps one)
+        kept = Loader(data, env_of(0, 1), 4, 3, planned, shuffle=False)
+        assert [b[0].tolist() for b, _ in zip(kept.forever(), range(2), strict=False)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
     class Stream(torch.utils.data.IterableDataset[int]):
         def __iter__(self):  # type: ignore[no-untyped-def]

@@ -103,17 +103,18 @@ class Loader:
                 raise UserError(f"Session.loader({key}=…)", "would replace the sampler an exact resume needs",
                                 "leave it out: the loader orders each epoch by (seed, epoch); shuffle=False keeps "
                                 "the set's own order")
+        kwargs = dict(kwargs)
+        shuffle = bool(kwargs.pop("shuffle", True)) if not isinstance(dataset, Shards) else True  # shards: their order
         if isinstance(dataset, Shards):
             self.plan = plan or BatchPlan(cap * world, world, cap, 1)
             self.sampler = StreamSampler(dataset, self.plan, self.rank, self.seed)
             batches: Any = self._batched(self.sampler, kwargs)
         elif plan is None:
-            kwargs = dict(kwargs)
-            self.sampler = ResumableSampler(dataset, self.env, self.seed, bool(kwargs.pop("shuffle", True)))
+            self.sampler = ResumableSampler(dataset, self.env, self.seed, shuffle)
             self.drop_last = bool(kwargs.pop("drop_last", False))
             batches = BatchSampler(self.sampler, cap, drop_last=self.drop_last)
         else:
-            self.sampler = GlobalBatchSampler(len(dataset), plan, self.rank, self.seed)  # type: ignore[arg-type]
+            self.sampler = GlobalBatchSampler(len(dataset), plan, self.rank, self.seed, shuffle)  # type: ignore[arg-type]
             batches = self._batched(self.sampler, kwargs)
         # Workers: random draws by sample (seeding); not for sets that draw none (tensors, shards decoded as they are).
         plain = isinstance(dataset, InMemory) or (isinstance(dataset, Shards) and dataset.transform is None)
@@ -122,11 +123,11 @@ class Loader:
         self.loader = DataLoader(dataset, batch_sampler=batches, **kwargs)
 
     def _batched(self, sampler: GlobalBatchSampler | StreamSampler, kwargs: dict[str, Any]) -> Any:
-        for key in ("shuffle", "drop_last"):
+        for key in ("shuffle", "drop_last"):  # shuffle is taken already, but a sharded set's (its own Order)
             if key in kwargs:  # the global batch decides these: a user's choice would silently be another run
-                raise UserError(f"Session.loader({key}=…)", "cannot be set with global_batch_size or a sharded set",
-                                "leave it out: the sampler orders by (seed, epoch) and drops the last partial global "
-                                "batch")
+                why = "a sharded set orders itself (Shards' order)" if key == "shuffle" else \
+                    "a global batch (yours, or the one a job that may change size keeps) drops the last partial one"
+                raise UserError(f"Session.loader({key}=…)", f"cannot be set: {why}", "leave it out")
         if not sampler.steps_per_epoch:
             assert self.plan is not None
             raise UserError("data.global_batch_size", f"{self.plan.global_batch} samples per step are more than the "

@@ -44,8 +44,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
     number of processes that can share the global batch trains on the same samples at every optimizer step, and a
     position is a count of global samples. The last partial global batch of an epoch is dropped (no padding)."""
 
-    def __init__(self, n: int, plan: BatchPlan, rank: int, seed: int) -> None:
-        self.n, self.plan, self.rank, self.seed = n, plan, rank, seed
+    def __init__(self, n: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True) -> None:
+        self.n, self.plan, self.rank, self.seed, self.shuffle = n, plan, rank, seed, shuffle
         self.steps_per_epoch = n // plan.global_batch
         self.epoch, self.skip = 0, 0
 
@@ -54,7 +54,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.epoch, self.skip = epoch, skip_micro
 
     def order(self, epoch: int) -> list[int]:
-        """The epoch's sample order (DistributedSampler's: a permutation seeded with seed + epoch)."""
+        """The epoch's sample order (DistributedSampler's: a permutation seeded with seed + epoch; else the set's)."""
+        if not self.shuffle:
+            return list(range(self.n))
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
         return torch.randperm(self.n, generator=g).tolist()
