@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -139,6 +140,18 @@ def test_a_rank_lost_after_setup_fails_every_survivor_without_a_traceback(tmp_pa
     assert "Traceback" not in outs[0] + outs[1]
 
 
+def test_a_configuration_that_fails_the_process_group_is_the_users_error_not_the_nodes(tmp_path: Path) -> None:
+    """dist.backend=nccl on CPU nodes: every rank's process group refuses it. Each rank recorded an infrastructure
+    echo, so the job was requeued (and retried until max_failures) for a setting."""
+    ranks = spawn_ranks(["dist.backend=nccl", f"run.dir={tmp_path}"], tmp_path, 2, {"RUN_DIR": str(tmp_path)},
+                        module="trainer.doctor")
+    outs = outputs(ranks, timeout=180)
+    assert [r.returncode for r in ranks] == [1, 1], outs
+    assert "configuration  FAIL    rank 0 on " in outs[0] and "dist.backend: nccl needs CUDA devices" in outs[0], outs[0]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("exits/*/doctor-*.json"))]
+    assert [(r["class"], r["echo"]) for r in records] == [("user_error", False)] * 2, records
+
+
 @pytest.mark.parametrize(("args", "field"), [
     (["--local", "0"], "--local"),
     (["--local", "-2"], "--local"),
@@ -230,7 +243,7 @@ ENV = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, node_rank=
 @pytest.mark.parametrize(("gpus", "tasks", "slurm_gpus", "device", "status", "words"), [
     (0, 4, 0, "auto", SKIP, "training runs on the CPU"),
     (0, 4, 4, "auto", FAIL, "torch sees no GPU"),
-    (0, 1, 0, "cuda", FAIL, "torch sees no GPU"),
+    (0, 1, 0, "cuda", FAIL, "train.device=cuda, but this task has no GPU"),  # the job's error, not the node's
     (2, 4, 4, "auto", FAIL, "4 tasks on this node each see 2 of the 4 GPU(s)"),
     (2, 4, 8, "auto", PASS, "cuda:0"),  # --gpus-per-task=2: each task's own two
     (1, 4, 4, "auto", PASS, "cuda:0"),  # Slurm's per-task binding: each task sees its own GPU

@@ -96,7 +96,10 @@ def check_gpus(cfg: Config, env: DistEnv, facts: HostFacts, info: JobInfo) -> Ch
     cvd = f"CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices}" if facts.cuda_visible_devices is not None \
         else "CUDA_VISIBLE_DEVICES unset"
     if count == 0:
-        if cfg.train.device == "cuda" or info.gpus_on_node:
+        if cfg.train.device == "cuda" and not info.gpus_on_node:  # asked for, never allocated: the job's, not the node's
+            return Check("train.device", FAIL, f"train.device=cuda, but this task has no GPU ({cvd}; Slurm allocated "
+                         "none on this node)", "ask the profile for GPUs (gpus_per_node), or train.device=auto")
+        if info.gpus_on_node:
             return Check("gpus", FAIL, f"torch sees no GPU ({cvd}; Slurm allocated {info.gpus_on_node} on this node)",
                          "check the driver (nvidia-smi), `--nv` for apptainer / `--gpus` for docker, "
                          "and that the torch wheel is a CUDA build")

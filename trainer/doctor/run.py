@@ -182,14 +182,15 @@ def _start_group(cfg: Config, env: DistEnv, checks: list[Check], host: str,
             os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=f"{debug_dir}/nccl.%h.%p")
         tdist.setup(env, cfg, device)
     except Exception as exc:  # no process group: no gathered table; each rank reports its own failures
-        if isinstance(exc, UserError):
-            message, hint = f"{exc.field}: {exc.message}", exc.hint
+        if isinstance(exc, UserError):  # the configuration's fault on every rank (nccl without GPUs): not the node's
+            checks.append(Check("configuration", FAIL, f"rank {env.rank} on {host}: {exc.field}: {exc.message}",
+                                exc.hint))
         else:
             message = describe(exc)
             # NCCL forms its communicator in setup (device_id), so tasks sharing one GPU fail here.
             hint = SHARED_GPU_HINT if "Duplicate GPU" in message else \
                 "start every rank as training does (srun in the allocation, or torchrun), within --timeout of each other"
-        checks.append(Check("process group", FAIL, f"rank {env.rank} on {host}: {message}", hint))
+            checks.append(Check("process group", FAIL, f"rank {env.rank} on {host}: {message}", hint))
         if debug_dir:
             shutil.rmtree(debug_dir, ignore_errors=True)
         return None
