@@ -92,6 +92,16 @@ def test_exit_codes_pass_through(tmp_path: Path, code: str, expected: int) -> No
     assert (tmp_path / "requeue.json").exists() == (expected == 75)  # rank 0 leaves the marker for the batch shell
 
 
+@pytest.mark.parametrize("options", [["-u"], []])
+def test_under_torchruns_agent_interpreter_options_reach_the_interpreter(tmp_path: Path, options: list[str]) -> None:
+    """`launch: torchrun` with `python -u …` or `python -c …`: torchrun took -u and -c for its own options (exit 2)."""
+    code = "import sys; print('ran', sys.argv[1:])"
+    proc = launch(["--torchrun", "1", "--", "python", *options, "-c", code, "x y"],
+                  slurm_task(0, 1, 7, {"RUN_DIR": str(tmp_path), "MASTER_PORT": str(free_port())}), tmp_path)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "ran ['x y']" in out, out
+
+
 @pytest.mark.parametrize(("args", "field"), [([], "CMD"), (["--", "no-such-program-x"], "CMD"),
                                              (["--signal", "KILL", "--", "true"], "--signal")])
 def test_bad_commands_are_clear(tmp_path: Path, args: list[str], field: str) -> None:

@@ -46,9 +46,12 @@ def command_argv(cmd: list[str], env: DistEnv, torchrun: int) -> list[str]:
     python = cmd[0] in PYTHONS
     if not torchrun:
         return [sys.executable, *cmd[1:]] if python else list(cmd)
+    # torchrun takes a script or -m MODULE itself; interpreter options (-u, -c, -X …) go to the interpreter it runs
+    plain = python and len(cmd) > 1 and (not cmd[1].startswith("-") or cmd[1] == "-m")
+    cmd = [sys.executable, *cmd[1:]] if python and not plain else cmd
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={env.num_nodes}", f"--nproc-per-node={torchrun}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={env.master_addr}:{env.master_port}",
-            f"--rdzv-id={env.job_id or 'local'}", *(cmd[1:] if python else ["--no-python", *cmd])]
+            f"--rdzv-id={env.job_id or 'local'}", *(cmd[1:] if plain else ["--no-python", *cmd])]
 
 
 def command_environ(env: DistEnv, warning: signal.Signals, torchrun: int) -> dict[str, str]:
