@@ -89,10 +89,12 @@ def test_a_taken_port_fails_on_the_head_node_unless_torchruns_agent_holds_it() -
         assert check_master(DistEnv(**{**env.__dict__, "rank": 1})).status == PASS  # only the head node binds
 
 
-def test_bad_override_is_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer.doctor", "dist.backend=mpi"], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True)
+@pytest.mark.parametrize("local", [[], ["--local", "2"]])
+def test_bad_override_is_exit_2(tmp_path: Path, local: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainer.doctor", *local, "dist.backend=mpi"], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: dist.backend:")
+    assert proc.stderr.count("error:") == 1, proc.stderr  # --local: said once, not by each rank
 
 
 # A rank that joins the group, takes part in the doctor's first collective (so the group has formed on every

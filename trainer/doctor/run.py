@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 def _start(ns: argparse.Namespace) -> int:
     check_args(ns.local, ns.timeout, ns.container)  # before --local starts N ranks that would each say the same
     if ns.local is not None:
+        config_mod.load(ns.args)  # a bad key said once here, not by each of N ranks, their lines interleaved
         rank_argv = [*(["--container", ns.container] if ns.container is not None else []), f"--timeout={ns.timeout}",
                      *ns.args]
         return spawn_local(ns.local, rank_argv)
