@@ -92,6 +92,19 @@ def test_exit_codes_pass_through(tmp_path: Path, code: str, expected: int) -> No
     assert (tmp_path / "requeue.json").exists() == (expected == 75)  # rank 0 leaves the marker for the batch shell
 
 
+@pytest.mark.parametrize(("signum", "kind"), [(9, "infrastructure"), (6, "user_error")])
+def test_a_shells_child_killed_by_a_signal_is_classed_as_that_signal(tmp_path: Path, signum: int, kind: str) -> None:
+    """`CMD="bash train.sh"` whose python is OOM-killed: bash exits 128+9, which was "the command exited 137", the
+    user's error, never retried; an abort() stays the program's own."""
+    script = f"{sys.executable} -c 'import os; os.kill(os.getpid(), {signum})'; exit $?"
+    proc = launch(["--", "bash", "-c", script], slurm_task(0, 1, 7, {"RUN_DIR": str(tmp_path)}), tmp_path)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signum, out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("exits/*/train-0.json")]
+    assert (record["code"], record["class"]) == (128 + signum, kind), record
+    assert f"(exit {128 + signum}: a shell's child)" in record["cause"], record
+
+
 @pytest.mark.parametrize("options", [["-u"], []])
 def test_under_torchruns_agent_interpreter_options_reach_the_interpreter(tmp_path: Path, options: list[str]) -> None:
     """`launch: torchrun` with `python -u …` or `python -c …`: torchrun took -u and -c for its own options (exit 2)."""

@@ -144,14 +144,17 @@ def _record(rank: int, rc: int) -> None:
             return
     except (OSError, ValueError):
         pass
-    if rc >= 0:
+    signum = -rc if rc < 0 else rc - 128 if rc - 128 in (signal.SIGKILL, signal.SIGBUS, *SELF_INFLICTED) else 0
+    how = "" if rc < 0 else f" (exit {rc}: a shell's child)"  # `bash train.sh` exits 128+N for a child killed by N
+    if not signum:
         record_end(rc, rank=rank, cause=f"the command exited {rc}")
-    elif -rc in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
-        exits.ended(128 - rc, exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(-rc).name})",
-                                            aborted=-rc == signal.SIGABRT), rank=rank)
+    elif signum in SELF_INFLICTED:  # the process's own crash (abort(), a bad pointer), not the node's
+        exits.ended(128 + signum, exits.outcome(exits.USER_ERROR, f"the command crashed ({signal.Signals(signum).name})"
+                                                f"{how}", aborted=signum == signal.SIGABRT), rank=rank)
     else:  # TERM/INT come from srun ending the step or from scancel: echoes; KILL, BUS … the node's
-        exits.ended(128 - rc, exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by {signal.Signals(-rc).name}",
-                                            echo=-rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)), rank=rank)
+        exits.ended(128 + signum, exits.outcome(exits.INFRASTRUCTURE, f"the command was killed by "
+                                                f"{signal.Signals(signum).name}{how}",
+                                                echo=signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)), rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:
