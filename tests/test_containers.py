@@ -201,3 +201,23 @@ def test_make_sif_says_what_to_make_first(tmp_path: Path, args: list[str], path:
     env = {**os.environ, "PATH": f"{fake}:/usr/bin:/bin", "DOCKER_HOST": "unix:///nonexistent.sock"}
     proc = subprocess.run(["make", "-s", "sif", *args], cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and words in proc.stderr and "HINT: " in proc.stderr and "reached" not in proc.stderr
+
+
+@pytest.mark.parametrize(("runtime", "folder", "env_run_dir", "code"), [
+    ("apptainer", "a,b", None, 2),  # --bind "$PWD,$RUN_DIR": the submit folder would split in two
+    ("docker", "ok", "/x:y", 2),  # -v "$RUN_DIR:$RUN_DIR"
+    ("none", "a,b", "/x:y", 0),  # no binds: any folder
+])
+def test_a_folder_that_would_split_a_containers_binds_is_refused_at_submit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], runtime: str, folder: str,
+        env_run_dir: str | None, code: int) -> None:
+    from cluster.__main__ import main as cluster_main
+
+    (tmp_path / folder).mkdir()
+    monkeypatch.chdir(tmp_path / folder)
+    if env_run_dir:
+        monkeypatch.setenv("RUN_DIR", env_run_dir)
+    image = [] if runtime == "none" else ["--set", f"container.runtime={runtime}", "--set", "container.image=img"]
+    assert cluster_main(["submit", "--dry-run", "--launcher", "sbatch", *image]) == code
+    if code:
+        assert "holds ',' or ':', which split" in capsys.readouterr().err

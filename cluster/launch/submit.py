@@ -3,6 +3,7 @@ nodes cannot hold, suspect nodes), then its launcher (cluster/launch/launchers.p
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -61,10 +62,22 @@ def check_slurm() -> None:
                         "and run `eval \"$(slurm/dev-cluster.sh env)\"`")
 
 
+def check_binds(p: Profile) -> None:
+    """A container binds the submit folder and RUN_DIR by name, in lists that ',' and ':' separate (apptainer --bind,
+    pyxis --container-mounts, docker -v): a path holding either would split into other paths."""
+    if p.container.runtime == "none":
+        return
+    for field, path in (("the submit folder", str(Path.cwd())), ("RUN_DIR", os.environ.get("RUN_DIR", ""))):
+        if "," in path or ":" in path:
+            raise UserError(field, f"{path!r} holds ',' or ':', which split {p.container.runtime}'s list of binds",
+                            "submit from, and keep the run folder in, a path without them")
+
+
 def decide(p: Profile) -> None:
     """What a submission of ``p`` asks Slurm for, decided where Slurm can be asked, before its script is rendered (a
     dry run prints exactly what would be submitted): the partition can hold it, and whether it asks for an expedited
     requeue. Every submission goes through here, a job's and a sweep's workers'."""
+    check_binds(p)
     check_fits(p)
     if p.requeue_expedite == "auto":  # the script says what was decided
         p.requeue_expedite = "yes" if nodes.offers_expedited_requeue() else "no"
