@@ -501,3 +501,22 @@ def test_a_job_whose_run_folder_takes_no_fifo_runs_without_a_store_in_a_containe
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "store_pid=[] TRAINER_STORE=[]\n", out.stdout + out.stderr
     assert "note: the job's store did not start" in out.stderr
+
+
+def test_a_dry_run_says_which_suspect_nodes_a_real_submit_would_exclude(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The exclusion is sbatch's command line, not the script: a dry run printed nothing of it."""
+    from cluster.job import suspects
+
+    path = tmp_path / "suspects.json"
+    suspects.add(path, ["n2"], 1, "7", "device error", hard=True)
+    monkeypatch.setenv("TRAINER_SUSPECTS", str(path))
+    (tmp_path / "bin").mkdir()
+    for tool in ("sinfo", "scontrol"):  # no Slurm to ask (at once): every node counts as usable
+        (tmp_path / "bin" / tool).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert cluster_main(["submit", "--dry-run", "--launcher", "sbatch"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "n2" not in out  # stdout stays the script alone
+    assert "dry run: a real submit would be excluding suspect node(s) n2" in err, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from trainer.core.schema import Config
 
 
-def suspect_nodes(p: Profile) -> list[str]:
+def suspect_nodes(p: Profile, say: Callable[[str], None] = print) -> list[str]:
     """The nodes other jobs' evidence avoids (cluster/job/suspects.py), which a new job excludes, as long as the
     partition keeps enough nodes for it; the least suspect are used again otherwise (fail open), said in one line."""
     ordered = suspects.active(Path(suspects.default_path()), p.suspect_after)
@@ -28,11 +29,11 @@ def suspect_nodes(p: Profile) -> list[str]:
     need = (p.min_nodes if p.ranged else p.nodes) + p.spare_nodes
     avoid, again = suspects.fail_open(ordered, nodes.usable(p.partition) or set(), need)
     if avoid:
-        print(f"excluding suspect node(s) {', '.join(avoid)} (`python -m cluster suspects` shows the evidence, "
-              "--clear NODE forgets it)")
+        say(f"excluding suspect node(s) {', '.join(avoid)} (`python -m cluster suspects` shows the evidence, "
+            "--clear NODE forgets it)")
     if again:
-        print(f"using suspect node(s) {', '.join(again)} again: excluding them too would leave fewer than {need} "
-              f"usable node(s) for this job")
+        say(f"using suspect node(s) {', '.join(again)} again: excluding them too would leave fewer than {need} "
+            f"usable node(s) for this job")
     return avoid
 
 
@@ -89,8 +90,9 @@ def submit(s: Submission, launcher: Launcher, dry_run: bool, wait: bool) -> int:
     s.work.check(p, launcher.warned_with(p))
     launcher.check(s)
     decide(p)
-    if dry_run:
+    if dry_run:  # the script on stdout; what a real submit would add on the command line, on stderr
         print(launcher.script(s), end="")
+        suspect_nodes(p, lambda line: print(f"dry run: a real submit would be {line}", file=sys.stderr))
         return 0
     check_slurm()
     Path(p.log_dir).mkdir(parents=True, exist_ok=True)
