@@ -33,8 +33,8 @@ def check_names(objects: dict[str, Any]) -> None:
     """Refuse restored objects named like the session's own checkpoint fields."""
     taken = sorted(set(objects) & set(RESERVED))
     if taken:
-        raise ValueError(f"restore(): {', '.join(taken)} is reserved for the session's own checkpoint fields "
-                         f"({', '.join(RESERVED)}): pass it under another name")
+        raise UserError("Session.restore", f"{', '.join(taken)} is reserved for the session's own checkpoint fields "
+                        f"({', '.join(RESERVED)}): pass it under another name", "rename it")
 
 
 def own_fields(step: int, world_size: int, config: dict[str, Any], run_id: str | None,

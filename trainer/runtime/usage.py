@@ -38,10 +38,7 @@ def check_restore(objects: Mapping[str, Any], wrapped: nn.Module | None, loaders
     would read its first batches again)."""
     if again:
         raise UserError("Session.restore", "called a second time", f"call it once: {ORDER}")
-    try:
-        check_names(dict(objects))
-    except ValueError as exc:
-        raise UserError("Session.restore", str(exc).removeprefix("restore(): "), "rename it") from None
+    check_names(dict(objects))
     for name, obj in objects.items():
         inner = obj.obj if isinstance(obj, PerRank) else obj
         if not isinstance(inner, dict | torch.Generator) and not (hasattr(inner, "state_dict")
