@@ -25,7 +25,7 @@ from cluster.sweeps import study as studies
 from cluster.sweeps import worker
 
 from .conftest import ROOT, clean_env
-from .test_sweep import local_sweep
+from .test_sweep import local_sweep, squeue  # noqa: F401 (the fake squeue the sweep tests list workers with)
 
 TPE = "method: tpe\ntrials: 4\nparameters: {optim.lr: {type: float, low: 0.001, high: 0.1, log: true}}"
 
@@ -217,16 +217,13 @@ def be(monkeypatch: pytest.MonkeyPatch, array: str, w: int) -> None:
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
 
 
-def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    listed = tmp_path / "squeue.out"
-    listed.write_text("900_0|RUNNING\n900_1|RUNNING\n")
-    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', {'squeue': f'cat {listed}'})}:{os.environ['PATH']}")
+def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:  # noqa: F811 (the fixture)
     folder = local_sweep(tmp_path, TPE)
     be(monkeypatch, "900", 1)
     assert worker.next_trial(folder, 1) == 0
     number = json.loads((folder / "workers" / "900_1.json").read_text())["trial"]
-    listed.write_text("901_0|RUNNING\n901_1|RUNNING\n")  # `make cancel`, then `make sweep RESUME=…`: array 901
+    squeue.write_text("901_0|RUNNING\n901_1|RUNNING\n")  # `make cancel`, then `make sweep RESUME=…`: array 901
     be(monkeypatch, "901", 1)
     assert worker.next_trial(folder, 1) == 0  # re-attached: it trains the trial now
     be(monkeypatch, "901", 0)
@@ -239,18 +236,16 @@ def test_a_trial_re_attached_by_a_resumed_sweeps_worker_is_not_lost(tmp_path: Pa
 
 
 def test_a_sweep_resumed_while_its_array_runs_never_gives_one_trial_to_two_jobs(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:  # noqa: F811 (the fixture)
     """`make sweep RESUME=…` while array 900 still trains: task 901_0 reused 900_0's files (workers/0.json) and
     re-attached to the trial 900_0 trains, both jobs in one RUN_DIR. Each array's task has its own files, and a trial
     is taken over only from a worker Slurm no longer lists."""
-    listed = tmp_path / "squeue.out"
-    listed.write_text("900_0|RUNNING\n")
-    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', {'squeue': f'cat {listed}'})}:{os.environ['PATH']}")
+    squeue.write_text("900_0|RUNNING\n")
     folder = local_sweep(tmp_path, TPE)
     be(monkeypatch, "900", 0)
     assert worker.next_trial(folder, 0) == 0
     old = json.loads((folder / "workers" / "900_0.json").read_text())["trial"]
-    listed.write_text("900_0|RUNNING\n901_0|RUNNING\n")
+    squeue.write_text("900_0|RUNNING\n901_0|RUNNING\n")
     be(monkeypatch, "901", 0)
     assert worker.next_trial(folder, 0) == 0
     new = json.loads((folder / "workers" / "901_0.json").read_text())["trial"]
@@ -261,19 +256,17 @@ def test_a_sweep_resumed_while_its_array_runs_never_gives_one_trial_to_two_jobs(
 
 
 def test_a_resumed_sweeps_worker_does_not_inherit_the_failures_of_the_cancelled_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: Path) -> None:  # noqa: F811 (the fixture)
     """A broken environment failed worker 900_0's trials until it stopped; fixed, the sweep is RESUMEd: 901_0 starts
     with no failures of its own (it stopped at once, "its last 3 trials failed", when it read 900_0's file)."""
-    listed = tmp_path / "squeue.out"
-    listed.write_text("900_0|RUNNING\n")
-    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', {'squeue': f'cat {listed}'})}:{os.environ['PATH']}")
+    squeue.write_text("900_0|RUNNING\n")
     folder = local_sweep(tmp_path, TPE.replace("trials: 4", "trials: 9"))
     be(monkeypatch, "900", 0)
     for _ in range(worker.FAILURES_IN_A_ROW):
         assert worker.next_trial(folder, 0) == 0
         assert worker.end(folder, 0, 1) == 0  # no result.json: failed
     assert worker.next_trial(folder, 0) == worker.EXIT_STOP
-    listed.write_text("901_0|RUNNING\n")
+    squeue.write_text("901_0|RUNNING\n")
     be(monkeypatch, "901", 0)
     assert worker.next_trial(folder, 0) == 0
 
