@@ -159,6 +159,19 @@ def test_without_matplotlib_the_report_is_the_table(tmp_path: Path, monkeypatch:
     assert "<table>" in path.read_text() and "data:image" not in path.read_text()
 
 
+DEAD_START_THEN_RESUMED_AT_50 = [
+    {"t": 1000.0, "event": "job_start", "job_id": "7", "restart": 1, "nodes": 2},  # a bad node: dies before its session
+    {"t": 1030.0, "event": "job_end", "job_id": "7", "code": 1},
+    {"t": 1031.0, "event": "attempt_end", "job_id": "7", "attempt": "1", "class": "infrastructure",
+     "cause": "node n3: CUDA error", "decision": "requeue"},
+    {"t": 2000.0, "event": "job_start", "job_id": "7", "restart": 2, "nodes": 2},
+    {"t": 2010.0, "event": "attempt", "started": 2005.0, "job_id": "7", "attempt": "2", "nodes": 2,
+     "resumed_step": 50, "torch": "2.x"},
+    {"t": 2020.0, "event": "first_step", "step": 51},
+    {"t": 2100.0, "event": "exit", "code": 0, "step": 100}]
+"""Job 7's second start, dead before its session opened, then its third, resumed at step 50 and finished at 100."""
+
+
 def test_a_start_that_died_before_its_session_opened_is_an_attempt_of_its_own(tmp_path: Path) -> None:
     """Requeued onto a bad node, the second start died before the session opened (no ``attempt`` event): its batch
     events went to the first attempt, which then counted 911 s of training and the failure, and goodput read 96 %.
@@ -171,15 +184,7 @@ def test_a_start_that_died_before_its_session_opened_is_an_attempt_of_its_own(tm
               {"t": 201.0, "event": "exit", "code": 75, "step": 50},
               {"t": 203.0, "event": "attempt_end", "job_id": "7", "attempt": "0", "class": "preempted",
                "decision": "requeue"},
-              {"t": 1000.0, "event": "job_start", "job_id": "7", "restart": 1, "nodes": 2},
-              {"t": 1030.0, "event": "job_end", "job_id": "7", "code": 1},
-              {"t": 1031.0, "event": "attempt_end", "job_id": "7", "attempt": "1", "class": "infrastructure",
-               "cause": "node n3: CUDA error", "decision": "requeue"},
-              {"t": 2000.0, "event": "job_start", "job_id": "7", "restart": 2, "nodes": 2},
-              {"t": 2010.0, "event": "attempt", "started": 2005.0, "job_id": "7", "attempt": "2", "nodes": 2,
-               "resumed_step": 50},
-              {"t": 2020.0, "event": "first_step", "step": 51},
-              {"t": 2100.0, "event": "exit", "code": 0, "step": 100},
+              *DEAD_START_THEN_RESUMED_AT_50,
               {"t": 3000.0, "event": "job_start", "job_id": "8", "restart": 0, "nodes": 1},  # killed in its restore
               {"t": 3300.0, "event": "attempt", "started": 3001.0, "job_id": "8", "attempt": "0", "nodes": 1,
                "resumed_step": 100}]
@@ -204,15 +209,7 @@ def test_a_recovery_spans_the_starts_that_died_before_the_next_session(tmp_path:
               {"t": 300.0, "event": "job_end", "job_id": "7", "code": 1},
               {"t": 301.0, "event": "attempt_end", "job_id": "7", "attempt": "0", "class": "infrastructure",
                "cause": "node n2 died", "decision": "requeue"},
-              {"t": 1000.0, "event": "job_start", "job_id": "7", "restart": 1, "nodes": 2},
-              {"t": 1030.0, "event": "job_end", "job_id": "7", "code": 1},
-              {"t": 1031.0, "event": "attempt_end", "job_id": "7", "attempt": "1", "class": "infrastructure",
-               "cause": "node n3: CUDA error", "decision": "requeue"},
-              {"t": 2000.0, "event": "job_start", "job_id": "7", "restart": 2, "nodes": 2},
-              {"t": 2010.0, "event": "attempt", "started": 2005.0, "job_id": "7", "attempt": "2", "nodes": 2,
-               "resumed_step": 50, "torch": "2.x"},
-              {"t": 2020.0, "event": "first_step", "step": 51},
-              {"t": 2100.0, "event": "exit", "code": 0, "step": 100}]
+              *DEAD_START_THEN_RESUMED_AT_50]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     f = figures(attempts(tmp_path))
     [r] = f["recoveries"]
