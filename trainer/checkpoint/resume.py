@@ -16,6 +16,7 @@ from trainer.core.dist import on_main
 from trainer.core.env import DistEnv
 from trainer.core.errors import UserError
 from trainer.core.exits import attempt_id
+from trainer.core.files import move_aside
 from trainer.core.schema import Config
 
 
@@ -104,9 +105,6 @@ def _set_aside(folder: Path) -> None:
     """Move a run folder's checkpoints aside (renamed, never deleted) before a run that starts afresh in it."""
     if not committed(folder):
         return
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = next(folder.with_name(f"checkpoints.before-{stamp}{f'-{i}' if i else ''}") for i in range(1000)
-                 if not folder.with_name(f"checkpoints.before-{stamp}{f'-{i}' if i else ''}").exists())
-    folder.rename(aside)
+    aside = move_aside(folder, f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"note: checkpoint.resume=never: this folder's checkpoints are set aside in {aside}, so that a later resume "
           "continues this run, not that one", flush=True)

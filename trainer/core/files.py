@@ -48,6 +48,16 @@ def write_json(path: Path, data: Any, durable: bool = True) -> None:
     write_atomic(path, json.dumps(data, indent=1) + "\n", durable)
 
 
+def move_aside(folder: Path, name: str) -> Path:
+    """Rename ``folder`` to ``name`` beside it, or ``name-2``, ``name-3`` … where taken (kept, never overwritten)."""
+    target, n = folder.with_name(name), 1
+    while target.exists():  # two set aside in the same second
+        n += 1
+        target = folder.with_name(f"{name}-{n}")
+    folder.rename(target)
+    return target
+
+
 def load_yaml(path: Path, field: str, hint: str) -> DictConfig:
     """A YAML file that must hold a mapping; a missing file, bad syntax or another shape is a UserError on ``field``."""
     if not path.is_file():

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from trainer.core import exits
 from trainer.core.env import DistEnv
-from trainer.core.files import write_atomic, write_json
+from trainer.core.files import move_aside, write_atomic, write_json
 from trainer.core.records import exit_records
 
 EXIT_HANG = 3
@@ -350,9 +350,4 @@ def set_aside(folder: Path) -> Path | None:
         return None
     report = folder / "report.txt"
     stamp = datetime.fromtimestamp((report if report.exists() else folder).stat().st_mtime).strftime("%Y%m%d-%H%M%S")
-    target, n = folder.with_name(f"{folder.name}-{stamp}"), 1
-    while target.exists():  # two attempts' reports in the same second
-        n += 1
-        target = folder.with_name(f"{folder.name}-{stamp}-{n}")
-    folder.rename(target)
-    return target
+    return move_aside(folder, f"{folder.name}-{stamp}")
