@@ -48,3 +48,26 @@ def test_training_steps_never_read_device_values(tmp_path: Path, task: str, read
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["windows"] == 512 // (2 * 16 * 2)  # every optimizer step was counted: 2 ranks, batch 16, accum 2
     assert counts["reads"] == reads_per_window * counts["windows"], counts
+
+
+class _Queued:
+    """A window's loss still being computed: reading its value waits ``wait`` seconds of the injected clock."""
+
+    def __init__(self, now: list[float], wait: float) -> None:
+        self.now, self.wait = now, wait
+
+    def __float__(self) -> float:
+        self.now[0] += self.wait
+        return 2.0
+
+
+def test_the_logged_rate_counts_the_wait_for_the_device_to_finish_the_window() -> None:
+    """The host only queues a window's steps; its samples/s ends when their loss can be read, not when queued."""
+    from trainer.builtin.metrics import Meter
+
+    now = [100.0]
+    meter = Meter(clock=lambda: now[0])
+    meter.sums["loss"], meter.n, meter.samples, meter.steps = _Queued(now, 1.0), 1, 320, 20  # type: ignore[assignment]
+    now[0] += 3.0  # the host queued 20 steps in 3 s; the device needs 1 s more
+    m = meter.metrics(lr=0.1)
+    assert m["train/samples_per_s"] == 80.0 and m["train/step_time_s"] == 0.2 and m["train/loss"] == 2.0

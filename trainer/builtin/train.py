@@ -216,6 +216,7 @@ class Trainer:
                 if bar is not None:  # the steps left, as planned again, from the step the group goes on from
                     bar.total, bar.n = self.total_steps, start
                     bar.refresh()
+        self.settle()
         train_time = time.perf_counter() - started - self.eval_time
         if bar is not None:
             bar.close()
@@ -240,6 +241,7 @@ class Trainer:
             epoch_done = self.loader.epoch != epoch  # evaluated before any save, and saved as the next epoch's start
             every = cfg.train.eval_every
             if (every and step % every == 0) or (epoch_done and not every and not self.loader.iterable):
+                self.settle()  # the queued training steps are training's time, not the evaluation's
                 t_eval = time.perf_counter()
                 self.scores, self.scored_at = self.evaluate(), step
                 self.eval_time += time.perf_counter() - t_eval
@@ -255,6 +257,11 @@ class Trainer:
                     return
             if not self.loader.iterable and self.loader.epoch >= cfg.train.epochs:
                 return
+
+    def settle(self) -> None:
+        """Wait for the steps the host queued on a GPU (a time taken after it counts them)."""
+        if self.sess.device.type == "cuda":
+            torch.cuda.synchronize(self.sess.device)
 
     def last_step(self) -> int:
         """The step to train to: none further when the resumed run had finished its epochs (on any world size)."""
