@@ -23,6 +23,7 @@ from benchmarks import audit, cadence, gpu, life, projection, recovery, streams,
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, dev_cluster_env, each, machine, pairs, show, splice, spread, trainer_run
 from benchmarks.lm import lm_rows
+from benchmarks.lm_trainer import lm_trainer_rows
 from benchmarks.sharded import memory_rows, save_pairs
 
 BATCH = 32  # per process, as the trainer's default
@@ -251,6 +252,7 @@ def main() -> int:
             gpu.stored(a.out)
         results["precision_smoke"] = gpu.precision_rows(repeats, smoke=True) if a.smoke else None
         results["lm_smoke"] = lm_rows(1, True) if a.smoke else None  # the LM benchmark's path, tiny and eager
+        results["lm_trainer_smoke"] = lm_trainer_rows(1, True) if a.smoke else None  # the built-in trainer's LM path
         dim, layers = (64, 2) if a.smoke else (256, 4)
         # The smoke run checks that every section runs, with as few new interpreters as that takes.
         results["sharded"] = {"memory": memory_rows(dim, layers, (2,) if a.smoke else (1, 2)),

@@ -24,6 +24,7 @@ import torch
 from benchmarks.checkpoints import checkpoint_cost
 from benchmarks.common import ROOT, bare_run, each, machine, pairs, publish, show, spread, trainer_run
 from benchmarks.lm import lm_rows, lm_section
+from benchmarks.lm_trainer import lm_trainer_rows, lm_trainer_section
 
 WARMUP = 10
 """Steps before the timed ones: 3 left a compiled model short of its steady state (section 4 of 2026-11-26)."""
@@ -157,7 +158,8 @@ def checkpoints(repeats: int, tmp: Path) -> list[dict[str, Any]] | dict[str, str
 
 def section(r: dict[str, Any] | None) -> list[str]:
     """Section 4 of docs/benchmarks.md from ``python -m benchmarks.gpu``'s results (None: never measured). A part the
-    last run did not measure is shown from the earlier run kept beside it (``earlier``), named as such."""
+    last run did not measure is shown from the newest earlier run kept beside it that did (``earlier``: a list, or
+    one run), named as such."""
     out = ["## 4. GPU only", ""]
     if r is None:
         return out + ["Not measured yet: run `python -m benchmarks.gpu` on a machine with a GPU.", ""]
@@ -165,13 +167,15 @@ def section(r: dict[str, Any] | None) -> list[str]:
             "each other, not with the CPU sections." + (f" Note: {r['note']}." if r.get("note") else ""), ""]
     if r.get("tests"):  # the GPU tests' run on the same machine, kept beside the figures by hand
         out += [f"GPU tests on that machine: `{r['tests']['command']}`: {r['tests']['result']}.", ""]
-    earlier: dict[str, Any] = r.get("earlier", {})
+    kept = r.get("earlier", [])
+    earlier: list[dict[str, Any]] = [kept] if isinstance(kept, dict) else kept
     for key, render in RENDERERS.items():
+        run = next((e for e in earlier if key in e), None)
         if key in r:
             out += render(r[key])
-        elif key in earlier:
-            out += [f"*From the run of {earlier['date']} (`{earlier['command']}`, {where(earlier)}):*", ""]
-            out += render(earlier[key])
+        elif run is not None:
+            out += [f"*From the run of {run['date']} (`{run['command']}`, {where(run)}):*", ""]
+            out += render(run[key])
         else:
             out += render({"skipped": "not run"})
     return out + [f"- {x}" for x in r.get("findings", [])] + ([""] if r.get("findings") else [])
@@ -235,7 +239,7 @@ def stored(folder: Path) -> dict[str, Any] | None:
 
 
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
-    "lm": lm_section, "precision": precision_section, "trainer_vs_bare": bare_section,
+    "lm": lm_section, "lm_trainer": lm_trainer_section, "precision": precision_section, "trainer_vs_bare": bare_section,
     "checkpoint": checkpoint_section, "dp_vs_ddp": dp_section}
 """The section's parts in their order, each with what shows it."""
 PARTS = tuple(RENDERERS)
@@ -249,6 +253,7 @@ def measure(repeats: int, size: int, tmp: Path | None, out: Path, only: tuple[st
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=tmp) as t:
         parts = (("lm", lambda: lm_rows(repeats + 2, False)),
+                 ("lm_trainer", lambda: lm_trainer_rows(repeats, False)),
                  ("precision", lambda: precision_rows(repeats, False)),
                  ("trainer_vs_bare", lambda: trainer_vs_bare(repeats, size, Path(t))),
                  ("checkpoint", lambda: checkpoints(repeats, Path(t))),

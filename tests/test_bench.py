@@ -40,6 +40,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert "## 4. GPU only" in page and results["precision_smoke"][0]["samples_per_s"] > 0
     lm = results["lm_smoke"]["rows"][0]  # the LM's bare loop and Session's, interleaved
     assert lm["variant"] == "eager" and len(lm["trainer_vs_bare"]) == 1 and lm["launch_s"] > lm["first_step_s"]
+    built_in = results["lm_trainer_smoke"]["rows"][0]  # GPT through `python -m trainer`'s targets, on token shards
+    assert built_in["trainer"][0]["tokens_per_s"] > 0 and len(built_in["trainer"][0]["windows"]) == 2
 
 
 def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_path: Path) -> None:
@@ -64,6 +66,21 @@ def test_gpu_section_shows_the_last_gpu_measurement_on_machines_without_one(tmp_
     heads = [line for line in page.read_text().splitlines() if line.startswith("## ")]
     assert heads == ["## 3. x", "## 4. GPU only", "## 5. y", "## 6. mid", "## 8. new"], heads
     assert gpu.section(None)[2].startswith("Not measured yet")
+    assert any(line.startswith("| compiled | ") for line in gpu.lm_trainer_section(stored["lm_trainer"]))
+
+
+def test_a_gpu_part_not_measured_again_is_shown_from_the_newest_run_that_did() -> None:
+    from benchmarks import gpu
+
+    m = {"gpus": ["G"], "cpu": "c", "cores": 1, "python": "3", "torch": "t"}
+    runs = [{"machine": m, "date": "2026-11-27", "command": "two", "checkpoint": {"skipped": "in two"}},
+            {"machine": m, "date": "2026-11-26", "command": "one", "checkpoint": {"skipped": "in one"},
+             "dp_vs_ddp": {"skipped": "in one"}}]
+    text = "\n".join(gpu.section({"machine": m, "date": "2026-11-29", "command": "three", "earlier": runs}))
+    assert "run of 2026-11-27 (`two`" in text and "skipped (in two)" in text and "skipped (in one)" in text
+    assert text.count("*From the run of") == 2 and "lm_trainer" not in text
+    assert "run of 2026-11-26 (`one`" in "\n".join(gpu.section({"machine": m, "date": "x", "command": "c",
+                                                                "earlier": runs[1]}))  # one run, as kept before
 
 
 def test_the_audit_section_shows_the_overhead_the_detection_and_the_false_alarms() -> None:
