@@ -1,6 +1,6 @@
 """torch.compile's kernel cache kept in the run folder, so that a requeued or recovered attempt, on any node, loads
-what an earlier attempt compiled instead of compiling it again (GPT-2 small on an H200: a first step of 24.6 s cold,
-3.7 s from the cache; docs/benchmarks.md section 4).
+what an earlier attempt compiled instead of compiling it again (GPT-2 small on an H200: a first step of 21.2 s cold,
+3.2 s from the run folder's cache; docs/benchmarks.md section 4).
 
 Inductor's default cache is ``/tmp/torchinductor_$USER``: node-local, and gone with the container or the node. Its
 writes are atomic (a temporary file renamed), so the ranks of every node may share one folder. A cache the user chose
