@@ -39,7 +39,9 @@ LINE = re.compile(r"^epoch \d+ step (\d+): loss \S+, (\d+) samples/s", re.M)
 
 def gpt(block: int = 1024, vocab: int = 50304, layers: int = 12, heads: int = 12, dim: int = 768) -> nn.Module:
     """model.target: the char LM example's GPT at the shape given (GPT-2 small's by default)."""
-    sys.path.insert(0, str(ROOT / "examples" / "char_lm"))
+    folder = str(ROOT / "examples" / "char_lm")
+    if folder not in sys.path:  # called once per model: one entry is enough
+        sys.path.insert(0, folder)
     from model import GPT, GPTConfig
 
     return GPT(GPTConfig(block=block, vocab=vocab, layers=layers, heads=heads, dim=dim))
