@@ -34,8 +34,8 @@ class Meter:
 
     def metrics(self, lr: float) -> dict[str, float]:
         """Averages since the last reset (this reads the device: call at log time only)."""
-        # The read first: it waits for the device to finish the window's steps, which the host only queued (the time
-        # before it, read first, was the host's 6 % ahead of the GPU on GPT-2 small: docs/benchmarks.md section 4).
+        # Read first: the read waits for the device to finish the steps the host only queued. Timed before it, a
+        # window measured the host's queueing (6 % fast on GPT-2 small on a GPU: docs/benchmarks.md section 4).
         out = {f"train/{k}": float(v) / max(1, self.n) for k, v in self.sums.items()}
         elapsed = max(1e-9, self.clock() - self.t0)
         out.update({"train/lr": lr, "train/samples_per_s": self.samples / elapsed,
