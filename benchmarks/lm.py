@@ -56,7 +56,8 @@ class Loop:
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, s["vocab"], (s["batch"], s["block"] + 1), generator=g).to(device)
-        self.x, self.y, self.tokens = data[:, :-1], data[:, 1:], s["batch"] * s["block"]
+        # Contiguous copies, as nanoGPT's get_batch stacks them (views of one tensor are strided: a handicap).
+        self.x, self.y, self.tokens = data[:, :-1].contiguous(), data[:, 1:].contiguous(), s["batch"] * s["block"]
         self.amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
 
     def step(self) -> None:
