@@ -30,7 +30,9 @@ WARMUP = 10
 """Steps before the timed ones: 3 left a compiled model short of its steady state (section 4 of 2026-11-26)."""
 
 
-VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile")
+VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile",
+            "bf16+channels_last+compile:reduce-overhead")
+"""A compiled variant's mode follows its colon (train.compile_mode): CUDA graphs for steps of many small kernels."""
 
 
 def _variant(variant: str, res: int, batch: int, device: torch.device, warmup: int = WARMUP) -> Any:
@@ -45,7 +47,7 @@ def _variant(variant: str, res: int, batch: int, device: torch.device, warmup: i
     if "channels_last" in variant:
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     if "compile" in variant:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=variant.partition(":")[2] or "default")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step() -> None:

@@ -41,9 +41,11 @@ def test_amp(tmp_path: Path, precision: str) -> None:
 
 
 @needs_gpu
-def test_compile_and_resnet18(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])  # reduce-overhead: CUDA graphs
+def test_compile_and_resnet18(tmp_path: Path, mode: str) -> None:
     run = tmp_path / "run"
-    ok(run_trainer([*SMALL, f"run.dir={run}", "train.device=cuda", "model.name=resnet18", "train.compile=true"], tmp_path))
+    ok(run_trainer([*SMALL, f"run.dir={run}", "train.device=cuda", "model.name=resnet18", "train.compile=true",
+                    f"train.compile_mode={mode}"], tmp_path))
 
 
 def test_cpu_bf16_autocast_runs(tmp_path: Path) -> None:

@@ -121,7 +121,8 @@ class Trainer:
         self._plan_steps()
         if sess.resumed:
             notes(cfg, sess.env, sess.resumed.state, self.record)
-        self.net = torch.compile(self.net) if cfg.train.compile else self.net  # type: ignore[assignment]
+        if cfg.train.compile:
+            self.net = torch.compile(self.net, mode=cfg.train.compile_mode)  # type: ignore[assignment]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.amp_dtype is None:

@@ -22,6 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("sgd", "adamw"),
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
+    "train.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "train.device": ("auto", "cpu", "cuda"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp"),
@@ -145,6 +146,8 @@ def validate(cfg: Config) -> None:
                    "pass the folder holding the data set, e.g. data.root=/datasets; nothing is downloaded")
     if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
         raise _err("train.precision", "fp16 needs CUDA (GradScaler)", "use train.precision=bf16 or fp32 on the CPU")
+    if cfg.train.compile_mode != "default" and not cfg.train.compile:
+        raise _err("train.compile_mode", "applies to a compiled model only", "add train.compile=true")
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
         raise _err("checkpoint.resume", f"{cfg.checkpoint.resume!r} does not exist",
                    "pass auto, never, or the path of a checkpoint file or run folder")

@@ -97,6 +97,9 @@ class TrainConfig:
     """fp32, bf16 (autocast) or fp16 (autocast + GradScaler, CUDA only)."""
     compile: bool = False
     """Wrap the model in torch.compile (meant for CUDA)."""
+    compile_mode: str = "default"
+    """torch.compile's mode with train.compile: default, reduce-overhead (CUDA graphs: steps of many small kernels),
+    max-autotune or max-autotune-no-cudagraphs (kernels chosen by timing them: a longer first step)."""
     log_every: int = 50
     """Optimizer steps between log lines when there is no terminal for a progress bar."""
     deterministic: bool = False
