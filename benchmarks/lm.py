@@ -36,6 +36,31 @@ def shape(tiny: bool) -> dict[str, int]:
     return {"block": 1024, "vocab": 50304, "layers": 12, "heads": 12, "dim": 768, "batch": 16}
 
 
+MODEL_KEYS = ("block", "vocab", "layers", "heads", "dim")
+"""The keys of a shape that make the model (``batch`` is the loop's)."""
+
+
+def gpt(block: int = 1024, vocab: int = 50304, layers: int = 12, heads: int = 12, dim: int = 768) -> Any:
+    """The char LM example's GPT at the shape given (GPT-2 small's by default); a ``model.target`` too."""
+    folder = str(ROOT / "examples" / "char_lm")
+    if folder not in sys.path:  # called once per model: one entry is enough
+        sys.path.insert(0, folder)
+    from model import GPT, GPTConfig
+
+    return GPT(GPTConfig(block=block, vocab=vocab, layers=layers, heads=heads, dim=dim))
+
+
+def gpt_of(s: dict[str, int]) -> Any:
+    """:func:`gpt` at shape ``s``."""
+    return gpt(**{k: s[k] for k in MODEL_KEYS})
+
+
+def run_folder_cache_env() -> dict[str, str]:
+    """This environment without a compile cache of its own: a session started with it keeps one in its run folder,
+    as a user's job does."""
+    return {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
 def flops_per_token(s: dict[str, int], params: int) -> float:
     """nanoGPT's estimate: 6 per parameter (forward + backward) plus the attention's 12·L·d·T."""
     return 6 * params + 12 * s["layers"] * s["dim"] * s["block"]
@@ -88,22 +113,18 @@ def one(variant: str, n_pairs: int, burst: int, warmup: int, tiny: bool, started
     """The measurement of one variant in this process (see the module's docstring)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "examples" / "char_lm"))
-    from model import GPT, GPTConfig
-
     import trainer
 
     phases = {"imported": time.time() - started}
     s = shape(tiny)
-    c = GPTConfig(block=s["block"], vocab=s["vocab"], layers=s["layers"], heads=s["heads"], dim=s["dim"])
     with trainer.Session([f"run.dir={run_dir}", "tracking.mode=disabled", "checkpoint.resume=never"]) as sess:
         phases["session"] = time.time() - started
         torch.manual_seed(0)
-        bare_model: Any = GPT(c).to(sess.device)
+        bare_model: Any = gpt_of(s).to(sess.device)
         torch.manual_seed(0)
-        wrapped: Any = sess.wrap(GPT(c))
+        wrapped: Any = sess.wrap(gpt_of(s))
         phases["models"] = time.time() - started
-        params = sum(p.numel() for p in bare_model.parameters()) - c.block * c.dim  # nanoGPT leaves positions out
+        params = sum(p.numel() for p in bare_model.parameters()) - s["block"] * s["dim"]  # nanoGPT leaves positions out
         if variant == "compiled":
             bare_model, wrapped = torch.compile(bare_model), torch.compile(wrapped)
         steps = sess.steps(0, 10**9)
@@ -138,8 +159,7 @@ def child(variant: str, n_pairs: int, burst: int, warmup: int, tiny: bool, run_d
     started = time.time()
     cmd = [sys.executable, "-m", "benchmarks.lm", "--one", variant, "--pairs", str(n_pairs), "--burst", str(burst),
            "--warmup", str(warmup), "--started", repr(started), "--run-dir", str(run_dir)] + (["--tiny"] if tiny else [])
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=ROOT, env=run_folder_cache_env(), capture_output=True, text=True, timeout=900)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr[-2000:]}")

@@ -28,23 +28,13 @@ import torch
 from torch import nn
 
 from benchmarks.common import ROOT, pairs, spread
-from benchmarks.lm import Loop, flops_per_token, peak, shape
+from benchmarks.lm import MODEL_KEYS, Loop, flops_per_token, gpt_of, peak, run_folder_cache_env, shape
 from trainer.data import Shards, Tokens
 
 WINDOW = 20
 """Steps per measured window (a log line of the trainer, a burst of the bare loop)."""
 LINE = re.compile(r"^epoch \d+ step (\d+): loss \S+, (\d+) samples/s", re.M)
 """The trainer's log line without a terminal (trainer/builtin/train.py ``report``)."""
-
-
-def gpt(block: int = 1024, vocab: int = 50304, layers: int = 12, heads: int = 12, dim: int = 768) -> nn.Module:
-    """model.target: the char LM example's GPT at the shape given (GPT-2 small's by default)."""
-    folder = str(ROOT / "examples" / "char_lm")
-    if folder not in sys.path:  # called once per model: one entry is enough
-        sys.path.insert(0, folder)
-    from model import GPT, GPTConfig
-
-    return GPT(GPTConfig(block=block, vocab=vocab, layers=layers, heads=heads, dim=dim))
 
 
 def _split(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +71,13 @@ def trainer_side(variant: str, tiny: bool, steps: int, warm: int, shards: Path, 
     s = shape(tiny)
     started = time.time()
     cmd = [sys.executable, "-m", "trainer", f"run.dir={run_dir}", "checkpoint.resume=never", "run.report=false",
-           "tracking.mode=disabled", "model.target=benchmarks.lm_trainer:gpt",
-           *[f"model.kwargs.{k}={s[k]}" for k in ("block", "vocab", "layers", "heads", "dim")],
+           "tracking.mode=disabled", "model.target=benchmarks.lm:gpt", *[f"model.kwargs.{k}={s[k]}" for k in MODEL_KEYS],
            "data.target=benchmarks.lm_trainer:token_shards", f"data.kwargs.root={shards}",
            f"data.kwargs.block={s['block']}", f"data.batch_size={s['batch']}", "task.target=benchmarks.lm_trainer:ModelLoss",
            "optim.name=adamw", "optim.lr=3e-4", "optim.weight_decay=0.1", "optim.grad_clip=1.0",
            f"train.max_steps={steps}", f"train.log_every={WINDOW}", f"train.compile={variant == 'compiled'}",
            f"train.precision={'bf16' if torch.cuda.is_available() else 'fp32'}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)  # the run folder's cache
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=run_folder_cache_env())
     if p.returncode:
         raise RuntimeError(f"the trainer exited {p.returncode}: {p.stdout[-1500:]}\n{p.stderr[-3000:]}")
     rates = [int(r) * s["block"] for _, r in LINE.findall(p.stdout)]
@@ -103,7 +91,7 @@ def bare(variant: str, tiny: bool, windows: int) -> list[float]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     s = shape(tiny)
-    model: Any = gpt(**{k: s[k] for k in ("block", "vocab", "layers", "heads", "dim")}).to(device)
+    model: Any = gpt_of(s).to(device)
     loop = Loop(torch.compile(model) if variant == "compiled" else model, s, device)
     loop.burst(1)
     return [loop.burst(WINDOW) for _ in range(windows)]
@@ -139,7 +127,8 @@ def lm_trainer_rows(n_pairs: int, smoke: bool, variants: tuple[str, ...] = ("eag
             res["rows"].append(row)
             print(summary(row), flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    params = sum(p.numel() for p in gpt(**{k: s[k] for k in ("block", "vocab", "layers", "heads", "dim")}).parameters())
+    with torch.device("meta"):  # counted, not built: no 124 M weights allocated and drawn on the CPU for a number
+        params = sum(p.numel() for p in gpt_of(s).parameters())
     res.update(device=name, peak_flops=peak(name), flops_per_token=flops_per_token(s, params - s["block"] * s["dim"]))
     return res
 
