@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -161,6 +163,19 @@ def test_user_package_trains_with_two_processes_and_ranks_agree(pkg: Path) -> No
     # Test-only hooks are not part of the product.
     for word in ("debug", "TRAINER_FAULTS", "preempt_at", "delay_s", "hang_at", "oom_at"):
         assert word not in text and word not in help_text()
+
+
+def test_a_compiled_model_trains_an_epochs_short_last_batch_without_going_dynamic(pkg: Path) -> None:
+    """train.compile on the CPU, in a new interpreter (torch reads TORCH_LOGS at import). 432 samples in batches of 128
+    end each epoch with 48: that batch gets a graph of its own, and the full batches of epoch 2 still run the static
+    one, instead of one recompiled for symbolic sizes (slower kernels for the rest of the run)."""
+    run = pkg / "runs" / "compiled"
+    args = [*BASE, "data.kwargs.n=576", "data.batch_size=128", "train.epochs=2", "train.compile=true", f"run.dir={run}"]
+    proc = ok(subprocess.run([sys.executable, "-m", "trainer", *args], cwd=pkg, capture_output=True, text=True,
+                             timeout=240, env=clean_env({"TORCH_LOGS": "recompiles,dynamic"})))
+    assert "size mismatch at index 0. expected 128, actual 48" in proc.stderr, proc.stderr[-3000:]
+    assert "create_symbol" not in proc.stderr and "as dynamic" not in proc.stderr, proc.stderr[-3000:]
+    assert result_of(run)["global_step"] == 8 and result_of(run)["test_mse"] < 0.5
 
 
 @pytest.mark.parametrize("kind", ["map", "stream"])

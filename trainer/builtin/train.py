@@ -122,7 +122,10 @@ class Trainer:
         if sess.resumed:
             notes(cfg, sess.env, sess.resumed.state, self.record)
         if cfg.train.compile:
-            self.net = torch.compile(self.net, mode=cfg.train.compile_mode)  # type: ignore[assignment]
+            # Static shapes: the batches have one shape but the last of an epoch, and by default that one would make
+            # torch recompile the model for any batch size, so that every later step ran the slower dynamic kernels.
+            # It gets a graph of its own instead.
+            self.net = torch.compile(self.net, mode=cfg.train.compile_mode, dynamic=False)  # type: ignore[assignment]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.amp_dtype is None:

@@ -96,7 +96,7 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast + GradScaler, CUDA only)."""
     compile: bool = False
-    """Wrap the model in torch.compile (meant for CUDA)."""
+    """Wrap the model in torch.compile (meant for CUDA), with static shapes: an epoch's short last batch compiles once more."""
     compile_mode: str = "default"
     """torch.compile's mode with train.compile: default, reduce-overhead (CUDA graphs: steps of many small kernels),
     max-autotune or max-autotune-no-cudagraphs (kernels chosen by timing them: a longer first step)."""
