@@ -30,9 +30,11 @@ WARMUP = 10
 """Steps before the timed ones: 3 left a compiled model short of its steady state (section 4 of 2026-11-26)."""
 
 
-VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile",
+VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile", "bf16+channels_last+compile+short",
             "bf16+channels_last+compile:reduce-overhead")
-"""A compiled variant's mode follows its colon (train.compile_mode): CUDA graphs for steps of many small kernels."""
+"""A compiled variant's mode follows its colon (train.compile_mode): CUDA graphs for steps of many small kernels.
+Compiled for static shapes, as train.compile does; ``+short``: torch's default instead, after one short batch (an
+epoch's last), which compiles again for any batch size: what the built-in trainer ran after its first epoch before."""
 
 
 def _variant(variant: str, res: int, batch: int, device: torch.device, warmup: int = WARMUP) -> Any:
@@ -46,19 +48,20 @@ def _variant(variant: str, res: int, batch: int, device: torch.device, warmup: i
     y = torch.randint(0, 10, (batch,), device=device)
     if "channels_last" in variant:
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    short = "+short" in variant
     if "compile" in variant:
-        model = torch.compile(model, mode=variant.partition(":")[2] or "default")
+        model = torch.compile(model, mode=variant.partition(":")[2] or "default", dynamic=None if short else False)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def step() -> None:
+    def step(n: int = batch) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in variant):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            loss = torch.nn.functional.cross_entropy(model(x[:n]).float(), y[:n])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
+    for i in range(warmup):
+        step(max(1, batch // 4) if short and i == 1 else batch)
     return step
 
 
