@@ -220,7 +220,8 @@ def precision_section(p: list[dict[str, Any]] | dict[str, str]) -> list[str]:
         return [f"- resnet18 precision and layout: skipped ({p['skipped']}).", ""]
     out = [f"resnet18 forward + backward + SGD step after {p[0].get('warmup', 3)} warm-up steps (compilation included "
            "in the warm-up), every variant built first and then timed in rounds of one 5-step burst each: \"vs fp32\" "
-           "is the median of each round's ratio, with its spread.", "",
+           "is the median of each round's ratio, with its spread. Compiled for static shapes (train.compile's way); "
+           "`+short`: torch's default shapes, given one short batch (an epoch's last) before the warm-up.", "",
            "| resolution | batch | variant | samples/s | vs fp32 |", "|---|---|---|---|---|"]
     base = {(x["resolution"], x["batch"]): x["samples_per_s"] for x in p if x["variant"] == "fp32"}
 
