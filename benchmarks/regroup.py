@@ -217,7 +217,7 @@ def session_section(runs: list[dict[str, Any]]) -> list[str]:
     out += ["", "The restart here is the cheapest one there is (no Slurm, no queue, the processes on the same machine, "
             "the checkpoint on a local disk): its time is detection, new interpreters importing torch and the loop, "
             "a new group and the restore. On the dev cluster, the built-in trainer's jobs with `regroup: true` side by "
-            "side with the restarts, torchrun's included: section 8 (and tests/test_healing.py on Slurm 22.05, 24.11 "
+            "side with the restarts, torchrun's included: section 8 (and tests/test_healing*.py on Slurm 22.05, 24.11 "
             "and 26.05).", ""]
     return out
 

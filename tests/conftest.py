@@ -323,7 +323,7 @@ def _module_fixtures(item: pytest.Function) -> set[str]:
 
 
 CLUSTERS = os.environ.get("DEV_CLUSTERS", "").split()
-"""Dev clusters of this machine's Slurm to spread the cluster tests over (their DEV_CLUSTER_DIRs; .ci/run starts two);
+"""Dev clusters of this machine's Slurm to spread the cluster tests over (their DEV_CLUSTER_DIRs; .ci/run starts three);
 unset: the one dev cluster (slurm/dev-cluster.sh's default folder, or DEV_CLUSTER_DIR)."""
 IMAGE_TIMEOUT = 1200
 """Seconds for a test that uses the built container image, its build included."""
@@ -333,14 +333,16 @@ minutes alone, twice that beside the rest of CI on a slow machine. It catches a 
 CLUSTER_OF: dict[str, int] = {}
 """Test file → the index in CLUSTERS of the dev cluster its tests use (filled at collection)."""
 CLUSTER_SECONDS = {
-    "tests/test_healing.py": 1346, "tests/test_slurm_commands.py": 502, "tests/test_slurm.py": 485,
-    "tests/test_regroup_cluster.py": 258, "tests/test_sweep_cluster.py": 163, "tests/test_apptainer.py": 161,
-    "tests/test_audit_cluster.py": 96, "tests/test_docker.py": 81, "tests/test_runs_cluster.py": 66,
-    "tests/test_shards_cluster.py": 61, "tests/test_leftovers.py": 48, "tests/test_cpu_binding.py": 39,
-    "tests/test_gpu_layouts.py": 34, "tests/test_doctor.py": 24, "tests/test_pyxis.py": 1,  # skipped: no pyxis in CI
+    "tests/test_healing_life.py": 714, "tests/test_healing.py": 632, "tests/test_slurm_commands.py": 502,
+    "tests/test_slurm.py": 485, "tests/test_regroup_cluster.py": 258, "tests/test_sweep_cluster.py": 163,
+    "tests/test_apptainer.py": 161, "tests/test_audit_cluster.py": 96, "tests/test_docker.py": 81,
+    "tests/test_runs_cluster.py": 66, "tests/test_shards_cluster.py": 61, "tests/test_leftovers.py": 48,
+    "tests/test_cpu_binding.py": 39, "tests/test_gpu_layouts.py": 34, "tests/test_doctor.py": 24,
+    "tests/test_pyxis.py": 1,  # skipped: no pyxis in CI
 }
 """Seconds each file's cluster tests took in CI (.ci/run, 2 cores, 2026-11-29 on a20710a: the line CI prints after the
-xdist workers' line), to share the files out so the clusters finish together; a file not listed counts 40 s a test.
+xdist workers' line; test_healing.py's tests then, split since as their durations were), to share the files out so the
+clusters finish together; a file not listed counts 40 s a test.
 Only the balance depends on them."""
 
 

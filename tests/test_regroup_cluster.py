@@ -1,7 +1,7 @@
 """Jobs that go on in place on the real dev cluster (3 nodes, `regroup: true`): a rank killed or stopped from outside
 is lost without a restart, the others regroup on the job's store, and a warm spare (on a spare node, or started on
-a live node) takes its place. Apart from tests/test_healing.py, whose restarts take longer, so that the two dev
-clusters of CI share the cluster tests out more evenly (tests/conftest.py CLUSTER_SECONDS).
+a live node) takes its place. Apart from tests/test_healing*.py, whose restarts take longer, so that CI's dev
+clusters share the cluster tests out more evenly (tests/conftest.py CLUSTER_SECONDS).
 """
 
 from __future__ import annotations
