@@ -123,8 +123,8 @@ class Trainer:
             notes(cfg, sess.env, sess.resumed.state, self.record)
         if cfg.train.compile:
             # Static shapes: the batches have one shape but the last of an epoch, and by default that one would make
-            # torch recompile the model for any batch size, so that every later step ran the slower dynamic kernels.
-            # It gets a graph of its own instead.
+            # torch recompile the model for any batch size, so that every later step ran kernels made for symbolic
+            # sizes (benchmarks section 4's +short row). It gets a graph of its own instead.
             self.net = torch.compile(self.net, mode=cfg.train.compile_mode, dynamic=False)  # type: ignore[assignment]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
