@@ -168,7 +168,7 @@ def test_user_package_trains_with_two_processes_and_ranks_agree(pkg: Path) -> No
 def test_a_compiled_model_trains_an_epochs_short_last_batch_without_going_dynamic(pkg: Path) -> None:
     """train.compile on the CPU, in a new interpreter (torch reads TORCH_LOGS at import). 432 samples in batches of 128
     end each epoch with 48: that batch gets a graph of its own, and the full batches of epoch 2 still run the static
-    one, instead of one recompiled for symbolic sizes (slower kernels for the rest of the run)."""
+    one, instead of one recompiled for symbolic sizes (for the rest of the run: benchmarks section 4's +short row)."""
     run = pkg / "runs" / "compiled"
     args = [*BASE, "data.kwargs.n=576", "data.batch_size=128", "train.epochs=2", "train.compile=true", f"run.dir={run}"]
     proc = ok(subprocess.run([sys.executable, "-m", "trainer", *args], cwd=pkg, capture_output=True, text=True,
