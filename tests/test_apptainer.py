@@ -59,7 +59,7 @@ def sif(image: str, engine_env: dict[str, str], apptainer_env: dict[str, str],
                                text=True)
         assert saved.returncode == 0, saved.stderr
         built = subprocess.run(["make", "-s", "sif", f"IMAGE_TAR={archive}", f"SIF={out}.part", SQUASHFS], cwd=ROOT,
-                               env=apptainer_env, capture_output=True, text=True, timeout=900)
+                               env=apptainer_env, capture_output=True, text=True, timeout=1800)
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         archive.unlink()
         Path(f"{out}.part").rename(out)

@@ -43,10 +43,10 @@ def image(engine_env: dict[str, str]) -> str:
 
 def _build_image(engine_env: dict[str, str]) -> str:
     base = subprocess.run(["bash", str(ROOT / "containers" / "test-base.sh"), BASE], env=engine_env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert base.returncode == 0, base.stderr[-3000:]
     build = subprocess.run(["make", "-s", "docker", f"IMAGE={IMAGE}", f"BASE_IMAGE={BASE}"], cwd=ROOT, env=engine_env,
-                           capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=1800)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     return IMAGE
 

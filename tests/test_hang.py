@@ -37,7 +37,7 @@ def test_stuck_rank_is_named_with_its_stack_and_every_rank_exits(tmp_path: Path,
     run = tmp_path / "run"
     if requeued:
         _previous_attempt(run / "hang")
-    # Exit 3 on both ranks is the watchdog's report, not gloo's timeout (600 s; pytest's 300 s would come first).
+    # Exit 3 on both ranks is the watchdog's report, not gloo's timeout (600 s; the outputs' 240 s come first).
     args = [*SMALL, f"run.dir={run}", "dist.timeout_s=600", "dist.heartbeat_timeout_s=6"]
     procs = spawn_ranks(args, tmp_path, env=faults(hang_at_step=6))
     outs = outputs(procs, timeout=240)

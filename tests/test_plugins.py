@@ -172,7 +172,7 @@ def test_a_compiled_model_trains_an_epochs_short_last_batch_without_going_dynami
     run = pkg / "runs" / "compiled"
     args = [*BASE, "data.kwargs.n=576", "data.batch_size=128", "train.epochs=2", "train.compile=true", f"run.dir={run}"]
     proc = ok(subprocess.run([sys.executable, "-m", "trainer", *args], cwd=pkg, capture_output=True, text=True,
-                             timeout=240, env=clean_env({"TORCH_LOGS": "recompiles,dynamic"})))
+                             timeout=900, env=clean_env({"TORCH_LOGS": "recompiles,dynamic"})))
     assert "size mismatch at index 0. expected 128, actual 48" in proc.stderr, proc.stderr[-3000:]
     symbolic = [line for line in proc.stderr.splitlines() if "create_symbol" in line and ".size()" in line]
     assert not symbolic and "as dynamic" not in proc.stderr, proc.stderr[-3000:]
